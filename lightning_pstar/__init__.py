@@ -1,0 +1,25 @@
+"""lightning_pstar: PatrickStar chunk-based memory management as a Lightning strategy.
+
+Importing the package registers the strategy name ``"patrickstar"`` with Lightning, so
+``Trainer(strategy="patrickstar")`` works after ``import lightning_pstar``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_pstar.chunk_manager import MemoryBudgetError, MemoryReport
+from lightning_pstar.config import LossScaleConfig, Placement, PStarConfig
+from lightning_pstar.precision import PatrickStarPrecision
+from lightning_pstar.strategy import PatrickStarStrategy
+
+__all__ = [
+    "LossScaleConfig",
+    "MemoryBudgetError",
+    "MemoryReport",
+    "PStarConfig",
+    "PatrickStarPrecision",
+    "PatrickStarStrategy",
+    "Placement",
+]
+__version__ = "0.1.0"
+
+PatrickStarStrategy.register_strategies(StrategyRegistry)

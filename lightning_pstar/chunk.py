@@ -1,0 +1,206 @@
+"""A chunk: one contiguous 1-D buffer of one dtype holding many tensors at fixed offsets.
+
+[Note: storage identity]
+Autograd saves views of parameters for backward (a linear layer saves ``weight.t()``). If a parameter's
+``.data`` were re-pointed at a new tensor after forward, backward would silently read the old storage.
+So a chunk owns ONE storage per tier for its whole life. Evicting from DEVICE copies the bytes to the
+HOST buffer and frees the device storage in place with ``untyped_storage().resize_(0)``; fetching back
+does ``resize_(nbytes)`` on the same storage and copies in. Parameter views into the device buffer are
+created once and stay valid; every view saved by autograd sees the fetched bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from lightning_pstar.state import ChunkState, TensorState, Tier, check_transition
+
+__all__ = ["Chunk", "ChunkKind", "Slot", "TransferStats"]
+
+
+class ChunkKind(str, Enum):
+    """What a chunk of a family holds."""
+
+    PARAM = "param"
+    """Parameters in the compute dtype; in mixed precision also their gradients (chunk reuse)."""
+    MASTER = "master"
+    """fp32 master parameters (mixed precision only)."""
+    GRAD = "grad"
+    """fp32 gradients (``32-true`` only, where the param chunk is the master)."""
+    EXP_AVG = "exp_avg"
+    """First moment of Adam, or the momentum buffer of SGD."""
+    EXP_AVG_SQ = "exp_avg_sq"
+    """Second moment of Adam."""
+
+
+@dataclass(kw_only=True)
+class Slot:
+    """Where one parameter lives inside every chunk of its family."""
+
+    name: str
+    """The parameter's first name in the model (tied parameters keep their other names elsewhere)."""
+    offset: int
+    """First element of the slot in the chunk."""
+    numel: int
+    shape: torch.Size
+    state: TensorState = TensorState.FREE
+
+    def set_state(self, new: TensorState, *, chunk_id: int) -> None:
+        """Move to ``new`` through the transition guard."""
+        check_transition(self.state, new, what=f"parameter '{self.name}' (chunk {chunk_id})")
+        self.state = new
+
+
+@dataclass
+class TransferStats:
+    """Bytes copied between tiers, counted by the chunks themselves."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0})
+    peak_device_bytes: int = 0
+
+    def allocated(self, tier: Tier, nbytes: int) -> None:
+        self.per_tier_bytes[tier] += nbytes
+        if tier is Tier.DEVICE:
+            self.peak_device_bytes = max(self.peak_device_bytes, self.per_tier_bytes[tier])
+
+    def freed(self, tier: Tier, nbytes: int) -> None:
+        self.per_tier_bytes[tier] -= nbytes
+        assert self.per_tier_bytes[tier] >= 0, "tier byte counter went negative"
+
+
+class Chunk:
+    """One buffer of ``capacity`` elements of ``dtype`` that lives on exactly one tier at a time.
+
+    The chunk never decides where it goes; the chunk manager and the placement policy do.
+    """
+
+    chunk_id: int
+    kind: ChunkKind
+    dtype: torch.dtype
+    capacity: int  # elements
+    slots: list[Slot]  # shared by every chunk of the family
+    _device_buffer: torch.Tensor  # 1D, capacity elements; storage resized to 0 while not on DEVICE
+    _host_buffer: torch.Tensor | None  # 1D, capacity elements; storage resized to 0 while not on HOST
+    _tier: Tier | None
+
+    def __init__(
+        self,
+        *,
+        chunk_id: int,
+        kind: ChunkKind,
+        dtype: torch.dtype,
+        capacity: int,
+        slots: list[Slot],
+        device: torch.device,
+        stats: TransferStats,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"chunk capacity must be positive, got {capacity}")
+        self.chunk_id = chunk_id
+        self.kind = kind
+        self.dtype = dtype
+        self.capacity = capacity
+        self.slots = slots
+        self._device = device
+        self._stats = stats
+        self._pin_host = device.type == "cuda"
+        self._device_buffer = torch.empty(capacity, dtype=dtype, device=device)
+        self._device_buffer.untyped_storage().resize_(0)
+        self._host_buffer = None
+        self._tier = None
+
+    # ---- properties -------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.dtype.itemsize
+
+    @property
+    def tier(self) -> Tier | None:
+        """The tier holding the bytes, or None when released."""
+        return self._tier
+
+    @property
+    def state(self) -> ChunkState:
+        if self._tier is None:
+            return ChunkState.RELEASED
+        if any(s.state is TensorState.COMPUTE for s in self.slots):
+            return ChunkState.COMPUTE
+        return ChunkState.HOLD
+
+    @property
+    def device_buffer(self) -> torch.Tensor:
+        """The DEVICE buffer; parameter views are taken from it once (see the storage-identity note)."""
+        return self._device_buffer
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The 1-D buffer on the chunk's current tier."""
+        if self._tier is Tier.DEVICE:
+            return self._device_buffer
+        if self._tier is Tier.HOST:
+            assert self._host_buffer is not None
+            return self._host_buffer
+        raise RuntimeError(f"chunk {self.chunk_id} ({self.kind.value}) is released and has no data")
+
+    def slot_view(self, slot: Slot) -> torch.Tensor:
+        """A view of ``slot`` in the buffer of the current tier, shaped like the parameter."""
+        return self.data[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    # ---- transitions ------------------------------------------------------------------------------------
+    def allocate(self, tier: Tier) -> None:
+        """Give the released chunk zeroed storage on ``tier``."""
+        assert self._tier is None, f"chunk {self.chunk_id} is already allocated on {self._tier}"
+        self._storage_for(tier, allocate=True).zero_()
+        self._tier = tier
+        self._stats.allocated(tier, self.nbytes)
+
+    def move_to(self, tier: Tier) -> None:
+        """Copy the bytes to ``tier`` and free the source storage in place. A no-op if already there."""
+        if self._tier is tier:
+            return
+        if self._tier is None:
+            raise RuntimeError(f"chunk {self.chunk_id} is released; allocate it before moving it")
+        if self.state is ChunkState.COMPUTE:
+            raise RuntimeError(f"chunk {self.chunk_id} is in use by a module (COMPUTE) and cannot move")
+        source = self.data
+        target = self._storage_for(tier, allocate=True)
+        target.copy_(source, non_blocking=False)
+        source.untyped_storage().resize_(0)
+        self._stats.freed(self._tier, self.nbytes)
+        self._stats.allocated(tier, self.nbytes)
+        if tier is Tier.DEVICE:
+            self._stats.h2d_bytes += self.nbytes
+        else:
+            self._stats.d2h_bytes += self.nbytes
+        self._tier = tier
+
+    def release(self) -> None:
+        """Free the storage on every tier (the chunk's slots are no longer needed)."""
+        if self._tier is None:
+            return
+        self.data.untyped_storage().resize_(0)
+        self._stats.freed(self._tier, self.nbytes)
+        self._tier = None
+
+    def _storage_for(self, tier: Tier, *, allocate: bool) -> torch.Tensor:
+        if tier is Tier.DEVICE:
+            buf = self._device_buffer
+        else:
+            if self._host_buffer is None:
+                self._host_buffer = torch.empty(self.capacity, dtype=self.dtype, pin_memory=self._pin_host)
+                self._host_buffer.untyped_storage().resize_(0)
+            buf = self._host_buffer
+        if allocate and buf.untyped_storage().nbytes() == 0:
+            buf.untyped_storage().resize_(self.nbytes)
+        return buf
+
+    def __repr__(self) -> str:
+        tier = self._tier.value if self._tier else "released"
+        return f"Chunk(id={self.chunk_id}, kind={self.kind.value}, dtype={self.dtype}, capacity={self.capacity}, {tier})"

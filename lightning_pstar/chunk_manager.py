@@ -1,0 +1,622 @@
+"""The chunk manager: owns chunk families, the parameter -> slot table, access/release and moves.
+
+Setup happens in two phases so that bad input fails before anything changes: ``ChunkManager(...)``
+only plans (layout, budgets, checks); :meth:`ChunkManager.materialise` then allocates chunks, copies or
+initialises every parameter into its slot and points the model's parameters at views of the chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pstar.chunk import Chunk, ChunkKind, Slot, TransferStats
+from lightning_pstar.config import PStarConfig
+from lightning_pstar.layout import Layout, ParamSpec, plan_layout, search_chunk_size
+from lightning_pstar.placement import PlacementPolicy, make_policy
+from lightning_pstar.state import TensorState, Tier
+
+__all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "ParamRecord"]
+
+log = logging.getLogger(__name__)
+
+
+class MemoryBudgetError(RuntimeError):
+    """The chunks needed at one moment do not fit the tier budgets."""
+
+
+@dataclass(kw_only=True)
+class ParamRecord:
+    """Side-table entry of one unique parameter (keyed by the parameter, never stored on it)."""
+
+    index: int
+    param: nn.Parameter
+    names: list[str]  # every name of the parameter in the model (tied weights have several)
+    trainable: bool
+    orig_dtype: torch.dtype
+    family: ChunkFamily
+    slot: Slot
+    slot_holds_grad: bool = False  # mixed precision: the param slot holds this step's gradient
+    grad_chunk_has_data: bool = False  # the GRAD slot holds a gradient (32-true) or an fp32 sum (mixed)
+
+
+@dataclass(kw_only=True)
+class ChunkFamily:
+    """A param chunk and its optimizer-side chunks, all with the same layout (``slots``)."""
+
+    family_id: int
+    trainable: bool
+    capacity: int  # elements
+    slots: list[Slot]
+    chunks: dict[ChunkKind, Chunk] = field(default_factory=dict)
+    records: list[ParamRecord] = field(default_factory=list)
+
+    @property
+    def param_chunk(self) -> Chunk:
+        return self.chunks[ChunkKind.PARAM]
+
+    def has_grads(self) -> bool:
+        return any(r.slot_holds_grad or r.grad_chunk_has_data for r in self.records)
+
+
+@dataclass(kw_only=True)
+class MemoryReport:
+    """What the engine holds and moved. Bytes unless said otherwise."""
+
+    precision: str
+    num_params: int  # unique parameter elements
+    num_chunks: int  # chunk families
+    chunk_size: int  # elements
+    chunk_utilisation: float  # parameter elements / param-chunk capacity
+    model_data_bytes: int  # every chunk allocated, all tiers
+    model_data_bytes_per_param: float  # slot bytes per parameter element, padding excluded
+    device_chunk_bytes: int
+    host_chunk_bytes: int
+    peak_device_chunk_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    evictions: int
+    device_memory_limit: int | None
+    host_memory_limit: int | None
+    optimizer_tier: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        def fmt(n: int | None) -> str:
+            if n is None:
+                return "unlimited"
+            for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+                if abs(n) >= size:
+                    return f"{n / size:.2f} {unit} ({n} B)"
+            return f"{n} B"
+
+        rows = [
+            ("precision", self.precision),
+            ("parameters", f"{self.num_params:,}"),
+            ("chunks (families)", f"{self.num_chunks} x {self.chunk_size:,} elements"),
+            ("chunk utilisation", f"{self.chunk_utilisation:.1%}"),
+            ("model data", fmt(self.model_data_bytes)),
+            ("model data / param", f"{self.model_data_bytes_per_param:.2f} B"),
+            ("chunks on device", fmt(self.device_chunk_bytes)),
+            ("chunks on host", fmt(self.host_chunk_bytes)),
+            ("peak device chunks", fmt(self.peak_device_chunk_bytes)),
+            ("device budget", fmt(self.device_memory_limit)),
+            ("host budget", fmt(self.host_memory_limit)),
+            ("host -> device", fmt(self.h2d_bytes)),
+            ("device -> host", fmt(self.d2h_bytes)),
+            ("evictions", str(self.evictions)),
+            ("optimizer runs on", self.optimizer_tier),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "PatrickStar memory report\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def host_ram_bytes() -> int:
+    """Physical RAM of this machine."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**20:.1f} MiB)"
+
+
+class ChunkManager:
+    """Owns every chunk of one model and the table from parameters to slots."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        config: PStarConfig,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        precision: str = "",
+        world_size: int = 1,
+        local_world_size: int = 1,
+        policy: PlacementPolicy | None = None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.compute_dtype = compute_dtype
+        self.mixed = compute_dtype != torch.float32
+        self.device = device
+        self.simulated = device.type == "cpu"
+        self.precision = precision
+        self.world_size = world_size
+        self.policy = policy if policy is not None else make_policy(config.placement)
+        self.stats = TransferStats()
+        self.accumulating = False  # True while Lightning accumulates gradients (non-final micro-batch)
+        self._tick = 0
+        self._materialised = False
+
+        self.device_budget = self._default_device_budget(config)
+        self.host_budget = config.host_limit_bytes
+        if self.host_budget is None:
+            self.host_budget = int(host_ram_bytes() * config.host_memory_fraction / max(1, local_world_size))
+
+        self._named = self._collect_parameters(module)
+        specs = [ParamSpec(name=names[0], numel=p.numel(), trainable=p.requires_grad) for p, names in self._named]
+        if not specs:
+            raise ValueError("The model has no parameters; there is nothing for PatrickStar to manage.")
+        if config.chunk_elements is None:
+            self.layout: Layout = search_chunk_size(
+                specs,
+                device_budget_bytes=self.device_budget,
+                compute_itemsize=compute_dtype.itemsize,
+                world_size=world_size,
+            )
+        else:
+            self.layout = plan_layout(specs, config.chunk_elements, world_size=world_size)
+        self.optimizer_bytes_per_elem = 0  # set by the optimizer (8 for Adam, 4 for SGD with momentum)
+        self._check_budgets()
+
+        # build the side tables (no memory for chunks yet)
+        self.families: list[ChunkFamily] = []
+        self.records: list[ParamRecord] = []
+        for plan in self.layout.chunks:
+            slots = [
+                Slot(name=specs[i].name, offset=off, numel=specs[i].numel, shape=self._named[i][0].shape)
+                for i, off in zip(plan.members, plan.offsets)
+            ]
+            family = ChunkFamily(
+                family_id=plan.chunk_id, trainable=plan.trainable, capacity=plan.capacity, slots=slots
+            )
+            self.families.append(family)
+            for i, slot in zip(plan.members, slots):
+                param, names = self._named[i]
+                record = ParamRecord(
+                    index=i,
+                    param=param,
+                    names=names,
+                    trainable=param.requires_grad,
+                    orig_dtype=param.dtype,
+                    family=family,
+                    slot=slot,
+                )
+                family.records.append(record)
+        self.records = sorted((r for f in self.families for r in f.records), key=lambda r: r.index)
+        # side table keyed by the parameter's identity (never an attribute stuck on the parameter)
+        self._by_id: dict[int, ParamRecord] = {id(r.param): r for r in self.records}
+        self.module_records: dict[nn.Module, list[ParamRecord]] = {}
+        for mod in module.modules():
+            direct = [self._by_id[id(p)] for p in mod.parameters(recurse=False)]
+            if direct:
+                self.module_records[mod] = direct
+        self.optimizer_tier = self.policy.optimizer_tier(
+            model_data_bytes=self._model_data_bytes(optimizer_bytes_per_elem=8), device_budget=self.device_budget
+        )
+
+    # ---- planning -------------------------------------------------------------------------------------
+    def _default_device_budget(self, config: PStarConfig) -> int | None:
+        limit = config.device_limit_bytes
+        if limit is not None or self.simulated:
+            return limit
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * config.device_memory_fraction)
+
+    @staticmethod
+    def _collect_parameters(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
+        seen: dict[int, tuple[nn.Parameter, list[str]]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                seen[id(param)][1].append(name)
+                continue
+            if not (param.is_floating_point()):
+                raise ValueError(
+                    f"Parameter '{name}' has dtype {param.dtype}; PatrickStar chunks hold floating-point"
+                    " parameters only. HINT: register integer tensors as buffers (`register_buffer`)."
+                )
+            seen[id(param)] = (param, [name])
+        return list(seen.values())
+
+    def _model_data_bytes(self, *, optimizer_bytes_per_elem: int) -> int:
+        """Bytes of every chunk family once the optimizer's states exist."""
+        param_b = self.compute_dtype.itemsize
+        # mixed: fp32 master; 32-true: fp32 grad chunk. Both 4 bytes/elem.
+        trainable = param_b + 4 + optimizer_bytes_per_elem
+        return self.layout.family_bytes(trainable_bytes_per_elem=trainable, frozen_bytes_per_elem=param_b)
+
+    def min_device_bytes(self) -> tuple[int, str]:
+        """Bytes of param chunks that one module needs resident at once, and that module's name."""
+        names = {m: n for n, m in self.module.named_modules()}
+        worst, worst_name = 0, ""
+        by_id = {id(p): i for i, (p, _) in enumerate(self._named)}
+        itemsize = self.compute_dtype.itemsize
+        for mod in self.module.modules():
+            chunk_ids = {self.layout.param_chunk[by_id[id(p)]] for p in mod.parameters(recurse=False)}
+            need = sum(self.layout.chunks[c].capacity * itemsize for c in chunk_ids)
+            if need > worst:
+                worst, worst_name = need, names.get(mod, "?") or "<root>"
+        return worst, worst_name
+
+    def _check_budgets(self) -> None:
+        need, where = self.min_device_bytes()
+        if self.device_budget is not None and need > self.device_budget:
+            raise MemoryBudgetError(
+                f"device_memory_limit is too small: module '{where}' needs parameter chunks of"
+                f" {_fmt_bytes(need)} resident at once for its forward, but the device budget is"
+                f" {_fmt_bytes(self.device_budget)}. HINT: raise device_memory_limit to at least {need}"
+                " bytes or use a smaller chunk_size."
+            )
+        total = self._model_data_bytes(optimizer_bytes_per_elem=8)
+        room = (self.device_budget if self.device_budget is not None else total) + self.host_budget
+        if total > room:
+            raise MemoryBudgetError(
+                f"model data does not fit: it needs {_fmt_bytes(total)} (params, fp32 masters/grads and Adam"
+                f" states), but the device budget is {_fmt_bytes(self.device_budget or 0)} and the host budget"
+                f" is {_fmt_bytes(self.host_budget)}. HINT: raise host_memory_limit or device_memory_limit, or"
+                " train on more ranks."
+            )
+
+    # ---- materialisation ------------------------------------------------------------------------------
+    def materialise(self) -> None:
+        """Allocate chunks, move or initialise every parameter into its slot and re-point the model."""
+        assert not self._materialised, "materialise() runs once"
+        meta_modules = [m for m, recs in self.module_records.items() if any(r.param.is_meta for r in recs)]
+        for mod in meta_modules:
+            if not hasattr(mod, "reset_parameters"):
+                name = next(n for n, m in self.module.named_modules() if m is mod)
+                raise ValueError(
+                    f"Module '{name or '<root>'}' ({type(mod).__name__}) was built on the meta device but has no"
+                    " `reset_parameters()` to initialise its parameters. HINT: define reset_parameters() on it or"
+                    " build the model in `__init__` instead of `configure_model`."
+                )
+        for family in self.families:
+            self._allocate_family(family)
+        # real parameters: copy their values; meta ones: initialise module by module
+        for record in self.records:
+            if not record.param.is_meta:
+                self._fill_slot(record, record.param.detach())
+        for mod in meta_modules:
+            self._materialise_meta_module(mod)
+        for record in self.records:
+            self._point_at_chunk(record)
+            record.slot.set_state(TensorState.HOLD, chunk_id=record.family.family_id)
+        self._materialised = True
+        log.info(
+            "PatrickStar: %d parameters in %d chunk families of %d elements (utilisation %.1f%%)",
+            self.layout.payload_elements,
+            len(self.families),
+            self.layout.chunk_size,
+            100 * self.layout.utilisation,
+        )
+
+    def _allocate_family(self, family: ChunkFamily) -> None:
+        param_chunk = self._new_chunk(family, ChunkKind.PARAM, self.compute_dtype)
+        self._ensure_device_room(param_chunk.nbytes, protect={family.family_id})
+        param_chunk.allocate(Tier.DEVICE)
+        if family.trainable and self.mixed:
+            master = self._new_chunk(family, ChunkKind.MASTER, torch.float32)
+            master.allocate(self._optimizer_side_tier(master.nbytes))
+
+    def _new_chunk(self, family: ChunkFamily, kind: ChunkKind, dtype: torch.dtype) -> Chunk:
+        chunk = Chunk(
+            chunk_id=family.family_id,
+            kind=kind,
+            dtype=dtype,
+            capacity=family.capacity,
+            slots=family.slots,
+            device=self.device,
+            stats=self.stats,
+        )
+        family.chunks[kind] = chunk
+        return chunk
+
+    def _optimizer_side_tier(self, nbytes: int) -> Tier:
+        if self.optimizer_tier is Tier.DEVICE:
+            self._ensure_device_room(nbytes, protect=set())
+        return self.optimizer_tier
+
+    def add_optimizer_chunks(self, kinds: Sequence[ChunkKind]) -> None:
+        """Allocate zeroed optimizer-state chunks (e.g. EXP_AVG, EXP_AVG_SQ) for every trainable family."""
+        for family in self.families:
+            if not family.trainable:
+                continue
+            for kind in kinds:
+                if kind not in family.chunks:
+                    chunk = self._new_chunk(family, kind, torch.float32)
+                    chunk.allocate(self._optimizer_side_tier(chunk.nbytes))
+            if not self.mixed and ChunkKind.GRAD not in family.chunks:
+                grad = self._new_chunk(family, ChunkKind.GRAD, torch.float32)
+                grad.allocate(self._optimizer_side_tier(grad.nbytes))
+        self.optimizer_bytes_per_elem = 4 * len(kinds)
+
+    def _fill_slot(self, record: ParamRecord, value: torch.Tensor) -> None:
+        family = record.family
+        with torch.no_grad():
+            family.param_chunk.slot_view(record.slot).copy_(value)
+            if ChunkKind.MASTER in family.chunks:
+                family.chunks[ChunkKind.MASTER].slot_view(record.slot).copy_(value)
+
+    def _materialise_meta_module(self, mod: nn.Module) -> None:
+        fresh: list[ParamRecord] = []
+        for param in list(mod._parameters.values()):
+            if param is None or not param.is_meta:
+                continue
+            record = self._by_id[id(param)]
+            value = torch.empty(param.shape, dtype=record.orig_dtype, device=self.device)
+            self._replace_parameter(record, nn.Parameter(value, requires_grad=param.requires_grad))
+            fresh.append(record)
+        with torch.no_grad():
+            mod.reset_parameters()  # type: ignore[operator]
+        for record in fresh:
+            self._fill_slot(record, record.param.detach())
+
+    def _replace_parameter(self, record: ParamRecord, new: nn.Parameter) -> None:
+        """Swap the record's parameter for ``new`` in every module that holds it (tied weights included)."""
+        old = record.param
+        for mod in self.module.modules():
+            for name, p in mod._parameters.items():
+                if p is old:
+                    mod._parameters[name] = new
+        del self._by_id[id(old)]
+        record.param = new
+        self._by_id[id(new)] = record
+
+    def record_of(self, param: nn.Parameter) -> ParamRecord:
+        """The side-table entry of ``param``."""
+        record = self._by_id.get(id(param))
+        if record is None or record.param is not param:
+            raise KeyError("this parameter is not managed by PatrickStar (was it added after setup?)")
+        return record
+
+    def _point_at_chunk(self, record: ParamRecord) -> None:
+        """Point the parameter at its slot in the DEVICE buffer, once (see the storage-identity note)."""
+        chunk = record.family.param_chunk
+        buf = chunk.device_buffer
+        resident = chunk.tier is Tier.DEVICE
+        if not resident:
+            buf.untyped_storage().resize_(chunk.nbytes)  # a view needs the storage; no bytes are copied
+        view = buf[record.slot.offset : record.slot.offset + record.slot.numel].view(record.slot.shape)
+        record.param.data = view
+        if not resident:
+            buf.untyped_storage().resize_(0)
+
+    # ---- access ---------------------------------------------------------------------------------------
+    def _device_used(self) -> int:
+        return self.stats.per_tier_bytes[Tier.DEVICE]
+
+    def _ensure_device_room(self, nbytes: int, *, protect: set[int]) -> None:
+        if self.device_budget is None:
+            return
+        missing = self._device_used() + nbytes - self.device_budget
+        if missing <= 0:
+            return
+        candidates = [
+            f.param_chunk
+            for f in self.families
+            if f.family_id not in protect and ChunkKind.PARAM in f.chunks and f.param_chunk.tier is Tier.DEVICE
+        ]
+        victims = self.policy.victims(candidates, missing)
+        if sum(v.nbytes for v in victims) < missing:
+            in_use = [f.family_id for f in self.families if f.family_id in protect]
+            raise MemoryBudgetError(
+                f"cannot make room for {_fmt_bytes(nbytes)} on the device: {_fmt_bytes(self._device_used())} of"
+                f" the {_fmt_bytes(self.device_budget)} budget are held by chunks in use (families {in_use}) or"
+                " not evictable. HINT: raise device_memory_limit or lower chunk_size."
+            )
+        for victim in victims:
+            self._check_host_room(victim.nbytes)
+            victim.move_to(Tier.HOST)
+            self.stats.evictions += 1
+
+    def _check_host_room(self, nbytes: int) -> None:
+        used = self.stats.per_tier_bytes[Tier.HOST]
+        if used + nbytes > self.host_budget:
+            raise MemoryBudgetError(
+                f"host budget exceeded: {_fmt_bytes(used)} in use, {_fmt_bytes(nbytes)} more needed, budget"
+                f" {_fmt_bytes(self.host_budget)}. HINT: raise host_memory_limit."
+            )
+
+    def fetch(self, family: ChunkFamily, *, protect: set[int]) -> None:
+        """Make ``family``'s param chunk resident on DEVICE, evicting others if the budget requires."""
+        chunk = family.param_chunk
+        self._tick += 1
+        self.policy.touch(chunk, self._tick)
+        if chunk.tier is Tier.DEVICE:
+            return
+        self._ensure_device_room(chunk.nbytes, protect=protect | {family.family_id})
+        chunk.move_to(Tier.DEVICE)
+
+    def access(self, records: Sequence[ParamRecord], new_state: TensorState) -> None:
+        """Make the chunks of ``records`` resident and move their slots to ``new_state``."""
+        families = {r.family.family_id: r.family for r in records}
+        protect = set(families)
+        for family in families.values():
+            self.fetch(family, protect=protect)
+        for record in records:
+            record.slot.set_state(new_state, chunk_id=record.family.family_id)
+
+    def release(self, records: Iterable[ParamRecord], new_state: TensorState) -> None:
+        """Move slots out of ``COMPUTE``; their chunks become evictable once no slot computes."""
+        for record in records:
+            if record.slot.state is TensorState.COMPUTE:
+                record.slot.set_state(new_state, chunk_id=record.family.family_id)
+
+    # ---- gradients ------------------------------------------------------------------------------------
+    def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
+        """Store the final gradient of ``record`` for this backward into the chunks."""
+        family = record.family
+        with torch.no_grad():
+            if self.mixed and not self.accumulating:
+                target_chunk = family.param_chunk
+                self._copy_in(target_chunk, record.slot, grad, add=False)
+                record.slot_holds_grad = True
+            else:
+                target_chunk = self._grad_chunk(family)
+                self._copy_in(target_chunk, record.slot, grad, add=record.grad_chunk_has_data)
+                record.grad_chunk_has_data = True
+        final = TensorState.HOLD if self.accumulating else TensorState.HOLD_AFTER_BWD
+        record.slot.set_state(final, chunk_id=family.family_id)
+
+    def _grad_chunk(self, family: ChunkFamily) -> Chunk:
+        chunk = family.chunks.get(ChunkKind.GRAD)
+        if chunk is None:
+            # mixed precision accumulates micro-batch gradients in fp32, allocated on first need
+            chunk = self._new_chunk(family, ChunkKind.GRAD, torch.float32)
+            chunk.allocate(self._optimizer_side_tier(chunk.nbytes))
+        return chunk
+
+    def _copy_in(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, *, add: bool) -> None:
+        target = chunk.slot_view(slot)
+        if chunk.tier is Tier.HOST and not self.simulated:
+            self.stats.d2h_bytes += grad.numel() * grad.element_size()
+        if add:
+            target.add_(grad.to(target.device))
+        else:
+            target.copy_(grad)
+
+    def end_backward(self) -> None:
+        """After backward: slots still in use or waiting for backward go back to ``HOLD``."""
+        for record in self.records:
+            if record.slot.state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD):
+                record.slot.set_state(TensorState.HOLD, chunk_id=record.family.family_id)
+
+    def reset_states(self) -> None:
+        """Before an iteration or evaluation: every slot not waiting for the optimizer step is ``HOLD``."""
+        for record in self.records:
+            if record.slot.state is not TensorState.HOLD_AFTER_BWD:
+                record.slot.state = TensorState.HOLD if record.slot.state is not TensorState.FREE else record.slot.state
+
+    def discard_grads(self) -> None:
+        """Forget gradients (``zero_grad``); weights overwritten by gradients are restored from the masters."""
+        for family in self.families:
+            restore = [r for r in family.records if r.slot_holds_grad]
+            if restore:
+                master = family.chunks[ChunkKind.MASTER]
+                for record in restore:
+                    with torch.no_grad():
+                        family.param_chunk.slot_view(record.slot).copy_(master.slot_view(record.slot))
+            for record in family.records:
+                record.slot_holds_grad = False
+                record.grad_chunk_has_data = False
+                if record.slot.state is TensorState.HOLD_AFTER_BWD:
+                    record.slot.set_state(TensorState.HOLD, chunk_id=family.family_id)
+
+    # ---- state dicts ----------------------------------------------------------------------------------
+    def master_view(self, record: ParamRecord) -> torch.Tensor:
+        """The fp32 truth of a parameter on whatever tier it lives (the param slot in 32-true, frozen too)."""
+        family = record.family
+        chunk = family.chunks.get(ChunkKind.MASTER, family.param_chunk)
+        if chunk is family.param_chunk and record.slot_holds_grad:
+            raise RuntimeError(f"the slot of '{record.slot.name}' holds a gradient; no weight to read now")
+        return chunk.slot_view(record.slot)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` with fp32 CPU copies of every parameter under each of its names."""
+        with torch.no_grad():
+            values = {id(r.param): self.master_view(r).detach().to("cpu", copy=True) for r in self.records}
+            out: dict[str, torch.Tensor] = {}
+            for key, tensor in self.module.state_dict(keep_vars=True).items():
+                if id(tensor) in values:
+                    record = self._by_id[id(tensor)]
+                    value = values[id(tensor)]
+                    out[key] = value if record.orig_dtype == value.dtype else value.to(record.orig_dtype)
+                else:
+                    out[key] = tensor.detach().to("cpu", copy=True)
+        return out
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Load an ordinary ``state_dict`` into the chunks (masters and compute copies) and the buffers."""
+        expected = list(self.module.state_dict(keep_vars=True).keys())
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in set(expected)]
+        param_names = {n for r in self.records for n in r.names}
+        values: list[tuple[ParamRecord, torch.Tensor]] = []
+        for record in self.records:
+            key = next((n for n in record.names if n in state_dict), None)
+            if key is None:
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(record.slot.shape):
+                raise ValueError(
+                    f"state_dict['{key}'] has shape {tuple(value.shape)}, the model's parameter has"
+                    f" {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model configuration."
+                )
+            values.append((record, value))
+        if strict:
+            # a tied parameter may be stored under only one of its names
+            tied_ok = {n for r, _ in values for n in r.names}
+            missing = [k for k in missing if k not in tied_ok]
+            if missing or unexpected:
+                raise KeyError(
+                    f"state_dict does not match the model: missing keys {missing}, unexpected keys {unexpected}."
+                    " HINT: load with strict=False to ignore them, or use a checkpoint of this model."
+                )
+        with torch.no_grad():
+            for record, value in values:
+                self._fill_slot(record, value)
+                record.slot_holds_grad = False
+            buffers = dict(self.module.named_buffers())
+            for key, value in state_dict.items():
+                if key in buffers and key not in param_names:
+                    buffers[key].copy_(value)
+
+    # ---- teardown -------------------------------------------------------------------------------------
+    def restore_module(self, device: torch.device) -> None:
+        """Give every parameter an ordinary tensor of its original dtype on ``device`` and free the chunks."""
+        with torch.no_grad():
+            for record in self.records:
+                value = self.master_view(record).detach().to(device=device, dtype=record.orig_dtype, copy=True)
+                record.param.data = value
+        for family in self.families:
+            for chunk in family.chunks.values():
+                chunk.release()
+
+    # ---- reporting ------------------------------------------------------------------------------------
+    def iter_chunks(self) -> Iterator[Chunk]:
+        for family in self.families:
+            yield from family.chunks.values()
+
+    def memory_report(self) -> MemoryReport:
+        allocated = sum(c.nbytes for c in self.iter_chunks() if c.tier is not None)
+        payload_bytes = 0
+        for family in self.families:
+            per_elem = sum(c.dtype.itemsize for c in family.chunks.values() if c.tier is not None)
+            payload_bytes += per_elem * sum(s.numel for s in family.slots)
+        return MemoryReport(
+            precision=self.precision,
+            num_params=self.layout.payload_elements,
+            num_chunks=len(self.families),
+            chunk_size=self.layout.chunk_size,
+            chunk_utilisation=self.layout.utilisation,
+            model_data_bytes=allocated,
+            model_data_bytes_per_param=payload_bytes / max(1, self.layout.payload_elements),
+            device_chunk_bytes=self.stats.per_tier_bytes[Tier.DEVICE],
+            host_chunk_bytes=self.stats.per_tier_bytes[Tier.HOST],
+            peak_device_chunk_bytes=self.stats.peak_device_bytes,
+            h2d_bytes=self.stats.h2d_bytes,
+            d2h_bytes=self.stats.d2h_bytes,
+            evictions=self.stats.evictions,
+            device_memory_limit=self.device_budget,
+            host_memory_limit=self.host_budget,
+            optimizer_tier=self.optimizer_tier.value,
+        )

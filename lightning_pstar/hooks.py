@@ -1,0 +1,125 @@
+"""Module and gradient hooks that turn the model's execution into chunk-manager calls.
+
+- pre-forward of module M: M's chunks become resident, its slots go to ``COMPUTE``;
+- post-forward of M: slots go to ``HOLD_AFTER_FWD`` (``HOLD`` without autograd), chunks may be evicted;
+  a multi-grad hook on M's outputs marks the start of M's backward;
+- pre-backward of M: chunks resident again (same storage: see the note in ``chunk.py``);
+- post-backward of M (a grad hook on M's inputs): frozen slots leave ``COMPUTE``;
+- gradient of p final (``register_post_accumulate_grad_hook``): the chunk manager stores it in the slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_pstar.chunk_manager import ChunkManager, ParamRecord
+from lightning_pstar.state import TensorState
+
+__all__ = ["ModelHooks"]
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors that require grad anywhere inside a (nested) output or input structure."""
+    found: list[torch.Tensor] = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                found.append(x)
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                visit(item)
+        elif isinstance(x, dict):
+            for item in x.values():
+                visit(item)
+        elif hasattr(x, "__dataclass_fields__"):
+            for name in x.__dataclass_fields__:
+                visit(getattr(x, name))
+
+    visit(obj)
+    return found
+
+
+class ModelHooks:
+    """Installs and removes every hook the engine needs on one model."""
+
+    def __init__(self, manager: ChunkManager) -> None:
+        self.manager = manager
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        for module, records in self.manager.module_records.items():
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(records)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(records)))
+        for record in self.manager.records:
+            if record.trainable:
+                self._handles.append(record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---- factories (closures keep the per-module record list; nothing is stored on the module) --------
+    def _make_pre_forward(self, records: Sequence[ParamRecord]) -> Any:
+        manager = self.manager
+        frozen = [r for r in records if not r.trainable]
+
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            with torch.profiler.record_function("pstar::pre_forward"):
+                manager.access(records, TensorState.COMPUTE)
+            if frozen and torch.is_grad_enabled():
+                inputs = _grad_tensors(args)
+                if inputs:
+                    # fires once the module's backward has produced the gradient of its inputs
+                    self._register(inputs, lambda: manager.release(frozen, TensorState.HOLD))
+
+        return pre_forward
+
+    def _make_post_forward(self, records: Sequence[ParamRecord]) -> Any:
+        manager = self.manager
+
+        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
+            if outputs:
+                manager.release(records, TensorState.HOLD_AFTER_FWD)
+
+                def pre_backward() -> None:
+                    with torch.profiler.record_function("pstar::pre_backward"):
+                        manager.access(records, TensorState.COMPUTE)
+
+                self._register(outputs, pre_backward)
+            else:
+                manager.release(records, TensorState.HOLD)
+
+        return post_forward
+
+    def _make_grad_hook(self, record: ParamRecord) -> Any:
+        manager = self.manager
+
+        def grad_hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None:  # pragma: no cover - autograd calls the hook only after accumulating a gradient
+                return
+            with torch.profiler.record_function("pstar::grad_ready"):
+                manager.grad_ready(record, grad)
+            param.grad = None  # the chunk holds it now; free autograd's copy
+
+        return grad_hook
+
+    @staticmethod
+    def _register(tensors: list[torch.Tensor], fn: Any) -> RemovableHandle:
+        fired = False
+
+        def once(_grads: Any) -> None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                fn()
+
+        return torch.autograd.graph.register_multi_grad_hook(tensors, once, mode="any")

@@ -1,0 +1,161 @@
+"""Pure planner: parameters (meta tensors are fine) -> chunk layout, and the chunk-size search.
+
+Nothing here allocates memory for weights, so the same code serves setup and capacity planning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["ALIGN", "ChunkPlan", "Layout", "ParamSpec", "plan_layout", "search_chunk_size"]
+
+ALIGN = 8
+"""Slot offsets are multiples of 8 elements (16 bytes in half precision, 32 in fp32) so every parameter
+view is aligned for vectorised kernels."""
+
+_MAX_CANDIDATES = 512
+"""How many chunk sizes the "auto" search evaluates."""
+_MIN_GROUPS = 4
+"""The "auto" search keeps at least this many chunk groups, so placement has units to move."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamSpec:
+    """What the planner needs to know about one unique parameter."""
+
+    name: str
+    numel: int
+    trainable: bool
+
+
+@dataclass(kw_only=True)
+class ChunkPlan:
+    """One planned chunk family: its capacity and the parameters it holds (indices into the spec list)."""
+
+    chunk_id: int
+    capacity: int  # elements
+    trainable: bool  # a frozen family has only a param chunk
+    members: list[int] = field(default_factory=list)  # parameter indices
+    offsets: list[int] = field(default_factory=list)  # first element of each member
+    used: int = 0  # elements up to the end of the last slot (alignment padding included)
+
+
+@dataclass(kw_only=True)
+class Layout:
+    """The result of planning: chunk families in module order."""
+
+    chunk_size: int  # elements; chunks holding one oversized parameter may be larger
+    chunks: list[ChunkPlan]
+    param_chunk: list[int]  # parameter index -> chunk id
+    param_offset: list[int]  # parameter index -> offset in its chunk
+    payload_elements: int  # elements of all parameters
+
+    @property
+    def capacity_elements(self) -> int:
+        return sum(c.capacity for c in self.chunks)
+
+    @property
+    def utilisation(self) -> float:
+        """Parameter elements / chunk capacity (1.0 means no byte wasted)."""
+        cap = self.capacity_elements
+        return self.payload_elements / cap if cap else 1.0
+
+    def family_bytes(self, *, trainable_bytes_per_elem: int, frozen_bytes_per_elem: int) -> int:
+        """Bytes of all chunk families for the given bytes per element of each kind of family."""
+        return sum(
+            c.capacity * (trainable_bytes_per_elem if c.trainable else frozen_bytes_per_elem) for c in self.chunks
+        )
+
+
+def plan_layout(params: Sequence[ParamSpec], chunk_size: int, *, world_size: int = 1) -> Layout:
+    """Pack ``params`` in order into chunks of ``chunk_size`` elements.
+
+    Trainable and frozen parameters go to separate chunks (frozen families carry no optimizer state).
+    Each parameter lies whole inside one chunk; a parameter larger than ``chunk_size`` gets a chunk of its
+    own. The list is padded with empty chunks to a multiple of ``world_size``.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size}")
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    chunks: list[ChunkPlan] = []
+    open_chunk: dict[bool, ChunkPlan | None] = {True: None, False: None}
+    param_chunk = [-1] * len(params)
+    param_offset = [-1] * len(params)
+
+    def new_chunk(trainable: bool, capacity: int) -> ChunkPlan:
+        plan = ChunkPlan(chunk_id=len(chunks), capacity=capacity, trainable=trainable)
+        chunks.append(plan)
+        return plan
+
+    for index, spec in enumerate(params):
+        if spec.numel <= 0:
+            raise ValueError(f"parameter '{spec.name}' has no elements; empty parameters cannot be chunked")
+        current = open_chunk[spec.trainable]
+        if spec.numel > chunk_size:
+            # an oversized parameter gets a chunk of its own, sized to it
+            plan = new_chunk(spec.trainable, _align(spec.numel))
+            open_chunk[spec.trainable] = None
+        else:
+            offset = _align(current.used) if current is not None else 0
+            if current is None or offset + spec.numel > current.capacity:
+                current = new_chunk(spec.trainable, chunk_size)
+                open_chunk[spec.trainable] = current
+            plan = current
+        offset = _align(plan.used) if plan.members else 0
+        plan.members.append(index)
+        plan.offsets.append(offset)
+        plan.used = offset + spec.numel
+        param_chunk[index] = plan.chunk_id
+        param_offset[index] = offset
+    while len(chunks) % world_size:
+        new_chunk(True, chunk_size)
+    return Layout(
+        chunk_size=chunk_size,
+        chunks=chunks,
+        param_chunk=param_chunk,
+        param_offset=param_offset,
+        payload_elements=sum(p.numel for p in params),
+    )
+
+
+def search_chunk_size(
+    params: Sequence[ParamSpec],
+    *,
+    device_budget_bytes: int | None,
+    compute_itemsize: int,
+    world_size: int = 1,
+) -> Layout:
+    """The layout for the chunk size that wastes the fewest elements.
+
+    Candidates run from the largest parameter up to the smallest of: the size at which two chunk groups
+    (``2 * world_size`` param chunks) would no longer fit ``device_budget_bytes``, and the size that still
+    leaves ``_MIN_GROUPS`` chunk groups. Ties go to the larger chunk (fewer, larger copies).
+    """
+    if not params:
+        raise ValueError("the model has no parameters to place in chunks")
+    largest = _align(max(p.numel for p in params))
+    total = sum(_align(p.numel) for p in params)
+    upper = max(largest, _align(math.ceil(total / (_MIN_GROUPS * world_size))))
+    if device_budget_bytes is not None:
+        fit = device_budget_bytes // (2 * world_size * compute_itemsize) // ALIGN * ALIGN
+        upper = min(upper, fit)
+    if upper < largest:
+        upper = largest  # the caller's budget check reports that even one group does not fit
+    step = max(ALIGN, _align(math.ceil((upper - largest) / _MAX_CANDIDATES)))
+    candidates = list(range(largest, upper + 1, step))
+    if candidates[-1] != upper:
+        candidates.append(upper)
+    best: Layout | None = None
+    for size in candidates:
+        layout = plan_layout(params, size, world_size=world_size)
+        if best is None or layout.capacity_elements <= best.capacity_elements:
+            best = layout
+    assert best is not None
+    return best

@@ -1,0 +1,387 @@
+"""Chunked optimizers: the user's Adam, AdamW or SGD, stepped family by family on the chunks.
+
+The user's optimizer object keeps its ``param_groups`` (shared with this wrapper), so LR schedulers
+created in ``configure_optimizers`` change the learning rate this optimizer uses at every step. The
+arithmetic is torch's own fused kernels (``torch.optim.adam.adam`` / ``torch.optim.sgd.sgd`` with
+``fused=True``), run on slot views of the fp32 master, gradient and state chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.adam import adam as adam_functional
+from torch.optim.sgd import sgd as sgd_functional
+
+from lightning_pstar.chunk import ChunkKind
+from lightning_pstar.chunk_manager import ChunkFamily, ChunkManager, ParamRecord
+from lightning_pstar.state import Tier
+
+__all__ = ["ChunkedOptimizer", "GradientPolicy", "SUPPORTED_OPTIMIZERS"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+@dataclass(kw_only=True)
+class GradientPolicy:
+    """What to do to the gradients before the update: set by the precision plugin every step."""
+
+    inv_scale: float = 1.0  # 1 / loss scale (fp16)
+    check_finite: bool = False  # fp16: skip the step on inf/nan
+    clip_norm: float | None = None
+    clip_value: float | None = None
+
+
+@dataclass
+class StepResult:
+    """What the last :meth:`ChunkedOptimizer.step` did."""
+
+    skipped: bool = False  # an inf/nan gradient skipped the update
+    total_norm: float | None = None  # the global gradient norm, when clipping by norm
+
+
+class ChunkedOptimizer(Optimizer):
+    """Steps ``optimizer``'s hyper-parameters on the chunks of ``manager``."""
+
+    def __init__(self, optimizer: Optimizer, manager: ChunkManager) -> None:
+        if type(optimizer) not in SUPPORTED_OPTIMIZERS:
+            names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
+            raise TypeError(
+                f"PatrickStar cannot run optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__}."
+                f" Supported: {names}. HINT: return one of these from `configure_optimizers`."
+            )
+        self._check_options(optimizer, manager)
+        self._user_optimizer = optimizer
+        self._manager = manager
+        self._is_adam = isinstance(optimizer, torch.optim.Adam)  # AdamW subclasses Adam
+        # the Optimizer interface (param_groups shared with the user's optimizer, so schedulers act here)
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state: defaultdict[Any, Any] = defaultdict(dict)
+        self._optimizer_step_pre_hooks: dict[int, Callable] = {}
+        self._optimizer_step_post_hooks: dict[int, Callable] = {}
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable] = {}
+        self._optimizer_state_dict_post_hooks: dict[int, Callable] = {}
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = {}
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = {}
+        self.gradient_policy = GradientPolicy()
+        self.last_step = StepResult()
+        self._group_of: dict[int, int] = {}  # record index -> param group index
+        self._steps: dict[int, torch.Tensor] = {}  # record index -> step count (float32 scalar, on its tier)
+        self._momentum_started: set[int] = set()  # SGD: records whose momentum buffer holds a value
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                record = manager.record_of(p)
+                if record.trainable:
+                    self._group_of[record.index] = gi
+        kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if self._is_adam else []
+        if not self._is_adam and any(g["momentum"] != 0 for g in self.param_groups):
+            kinds = [ChunkKind.EXP_AVG]
+        manager.add_optimizer_chunks(kinds)
+
+    @staticmethod
+    def _check_options(optimizer: Optimizer, manager: ChunkManager) -> None:
+        for gi, group in enumerate(optimizer.param_groups):
+            for key in ("amsgrad", "capturable", "differentiable"):
+                if group.get(key):
+                    raise ValueError(
+                        f"{type(optimizer).__name__}({key}=True) in param group {gi} is not supported by"
+                        f" PatrickStar. HINT: set {key}=False."
+                    )
+            if group.get("foreach") or group.get("fused") is False:
+                log.warning(
+                    "PatrickStar always uses torch's fused optimizer kernels; the foreach/fused setting of"
+                    " param group %d is ignored.",
+                    gi,
+                )
+            for p in group["params"]:
+                try:
+                    manager.record_of(p)
+                except KeyError:
+                    raise ValueError(
+                        f"Param group {gi} of {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)}"
+                        " that is not a parameter of the LightningModule. HINT: build the optimizer from"
+                        " `self.parameters()` inside `configure_optimizers`."
+                    ) from None
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # LR schedulers created on the user's optimizer check that its step ran before theirs
+        self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
+        manager = self._manager
+        policy = self.gradient_policy
+        families = [f for f in manager.families if f.trainable and f.has_grads()]
+        with torch.profiler.record_function("pstar::optimizer_step"):
+            coef = 1.0
+            self.last_step = StepResult()
+            if policy.check_finite or policy.clip_norm is not None:
+                norms: list[torch.Tensor] = []
+                finite = True
+                for family in families:
+                    grads = list(self._family_grads(family).values())
+                    norms.extend(torch._foreach_norm(grads, 2.0))
+                    if policy.check_finite and finite:
+                        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+                if not finite:
+                    self.last_step = StepResult(skipped=True)
+                    manager.discard_grads()
+                    return loss
+                if policy.clip_norm is not None and norms:
+                    total = torch.linalg.vector_norm(torch.stack([n.to("cpu") for n in norms]), 2.0)
+                    self.last_step.total_norm = float(total)
+                    coef = min(1.0, float(policy.clip_norm / (total + 1e-6)))
+                    if not math.isfinite(float(total)):
+                        coef = float("nan")  # as torch's clip_grad_norm_ (error_if_nonfinite=False) does
+            for family in families:
+                self._step_family(family, coef)
+            manager.discard_grads()
+        return loss
+
+    def _family_grads(self, family: ChunkFamily) -> dict[int, torch.Tensor]:
+        """fp32, unscaled gradients of the family's parameters that have one, keyed by record index.
+
+        In 32-true these are views of the GRAD chunk; in mixed precision fresh fp32 tensors built from
+        the param slot (this micro-batch) plus the fp32 accumulation slot (earlier micro-batches).
+        """
+        manager = self._manager
+        inv_scale = self.gradient_policy.inv_scale
+        out: dict[int, torch.Tensor] = {}
+        grad_chunk = family.chunks.get(ChunkKind.GRAD)
+        for record in family.records:
+            if record.index not in self._group_of:
+                continue
+            grad: torch.Tensor | None = None
+            if record.slot_holds_grad:
+                grad = family.param_chunk.slot_view(record.slot).float()
+            if record.grad_chunk_has_data:
+                assert grad_chunk is not None
+                acc = grad_chunk.slot_view(record.slot)
+                grad = acc if grad is None else grad.add_(acc.to(grad.device))
+                if manager.mixed and record.slot_holds_grad is False:
+                    grad = grad.clone()  # never scale the accumulation buffer in place
+            if grad is None:
+                continue
+            if inv_scale != 1.0:
+                grad = grad.mul_(inv_scale) if manager.mixed else grad.mul(inv_scale)
+            out[record.index] = grad
+        return out
+
+    def _step_family(self, family: ChunkFamily, coef: float) -> None:
+        manager = self._manager
+        tier = manager.optimizer_tier
+        if tier is Tier.HOST:
+            family.param_chunk.move_to(Tier.HOST)  # the update runs where the optimizer states live
+        else:
+            manager.fetch(family, protect={family.family_id})
+        grads = self._family_grads(family)
+        if not grads:
+            return
+        policy = self.gradient_policy
+        grad_list = list(grads.values())
+        if coef != 1.0:
+            torch._foreach_mul_(grad_list, coef)
+        if policy.clip_value is not None:
+            for g in grad_list:
+                g.clamp_(-policy.clip_value, policy.clip_value)
+        master = family.chunks.get(ChunkKind.MASTER, family.param_chunk)
+        by_group: dict[int, list[ParamRecord]] = defaultdict(list)
+        for record in family.records:
+            if record.index in grads:
+                by_group[self._group_of[record.index]].append(record)
+        for gi, records in sorted(by_group.items()):
+            group = self.param_groups[gi]
+            params = [master.slot_view(r.slot) for r in records]
+            g = [grads[r.index] for r in records]
+            g = [x if x.device == params[0].device else x.to(params[0].device) for x in g]
+            if self._is_adam:
+                self._adam(group, family, records, params, g)
+            else:
+                self._sgd(group, family, records, params, g)
+        if manager.mixed:
+            for record in family.records:
+                if record.index in grads:
+                    family.param_chunk.slot_view(record.slot).copy_(master.slot_view(record.slot))
+                    record.slot_holds_grad = False
+
+    def _step_tensor(self, record: ParamRecord, device: torch.device) -> torch.Tensor:
+        step = self._steps.get(record.index)
+        if step is None:
+            step = torch.zeros((), dtype=torch.float32, device=device)
+        elif step.device != device:
+            step = step.to(device)
+        self._steps[record.index] = step
+        return step
+
+    def _adam(
+        self,
+        group: dict[str, Any],
+        family: ChunkFamily,
+        records: list[ParamRecord],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+    ) -> None:
+        exp_avg = family.chunks[ChunkKind.EXP_AVG]
+        exp_avg_sq = family.chunks[ChunkKind.EXP_AVG_SQ]
+        beta1, beta2 = group["betas"]
+        adam_functional(
+            params,
+            grads,
+            [exp_avg.slot_view(r.slot) for r in records],
+            [exp_avg_sq.slot_view(r.slot) for r in records],
+            [],
+            [self._step_tensor(r, params[0].device) for r in records],
+            fused=True,
+            decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=bool(group["maximize"]),
+        )
+
+    def _sgd(
+        self,
+        group: dict[str, Any],
+        family: ChunkFamily,
+        records: list[ParamRecord],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+    ) -> None:
+        momentum = group["momentum"]
+        kwargs = dict(
+            weight_decay=group["weight_decay"],
+            momentum=momentum,
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=bool(group["nesterov"]),
+            maximize=bool(group["maximize"]),
+        )
+        if momentum == 0:
+            sgd_functional(params, grads, [None] * len(params), fused=True, **kwargs)
+            return
+        buffers = family.chunks[ChunkKind.EXP_AVG]
+        started = [i for i, r in enumerate(records) if r.index in self._momentum_started]
+        fresh = [i for i, r in enumerate(records) if r.index not in self._momentum_started]
+        if started:
+            sgd_functional(
+                [params[i] for i in started],
+                [grads[i] for i in started],
+                [buffers.slot_view(records[i].slot) for i in started],
+                fused=True,
+                **kwargs,
+            )
+        if fresh:
+            # torch starts a momentum buffer as a copy of the first gradient: let the kernel create it
+            new_bufs: list[torch.Tensor | None] = [None] * len(fresh)
+            sgd_functional([params[i] for i in fresh], [grads[i] for i in fresh], new_bufs, fused=True, **kwargs)
+            for i, buf in zip(fresh, new_bufs):
+                assert buf is not None
+                buffers.slot_view(records[i].slot).copy_(buf)
+                self._momentum_started.add(records[i].index)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients (weights overwritten by gradients are restored from the masters)."""
+        self._manager.discard_grads()
+
+    # ---- state dict in torch's standard layout -----------------------------------------------------------
+    def _ordered_params(self) -> list[tuple[int, Any]]:
+        out: list[tuple[int, Any]] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                out.append((len(out), p))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        manager = self._manager
+        state: dict[int, dict[str, Any]] = {}
+        for index, p in self._ordered_params():
+            record = manager.record_of(p)
+            if record.index not in self._steps and record.index not in self._momentum_started:
+                continue
+            family = record.family
+            entry: dict[str, Any] = {}
+            if self._is_adam:
+                entry["step"] = self._steps[record.index].detach().to("cpu", copy=True)
+                entry["exp_avg"] = family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).to("cpu", copy=True)
+                entry["exp_avg_sq"] = family.chunks[ChunkKind.EXP_AVG_SQ].slot_view(record.slot).to("cpu", copy=True)
+            elif record.index in self._momentum_started:
+                entry["momentum_buffer"] = family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).to("cpu", copy=True)
+            else:
+                continue
+            state[index] = entry
+        groups = []
+        start = 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or "state" not in state_dict:
+            raise ValueError("optimizer state_dict must have 'state' and 'param_groups' (torch's layout)")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(groups)} param groups, this optimizer has {len(self.param_groups)}."
+                " HINT: configure_optimizers must build the same groups as the run that saved it."
+            )
+        for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(
+                    f"param group {gi}: the saved state has {len(saved['params'])} parameters, this optimizer"
+                    f" has {len(mine['params'])}."
+                )
+        ordered = self._ordered_params()
+        saved_index = [i for g in groups for i in g["params"]]
+        manager = self._manager
+        updates: list[tuple[ParamRecord, dict[str, Any]]] = []
+        for (pos, p), key in zip(ordered, saved_index):
+            entry = state_dict["state"].get(key)
+            if entry is None:
+                continue
+            record = manager.record_of(p)
+            for name, value in entry.items():
+                if name != "step" and tuple(value.shape) != tuple(record.slot.shape):
+                    raise ValueError(
+                        f"optimizer state '{name}' of parameter '{record.slot.name}' has shape"
+                        f" {tuple(value.shape)}, expected {tuple(record.slot.shape)}."
+                    )
+            updates.append((record, entry))
+        # validated: now change state
+        for saved, mine in zip(groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+        with torch.no_grad():
+            for record, entry in updates:
+                family = record.family
+                if "exp_avg" in entry:
+                    family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).copy_(entry["exp_avg"])
+                    family.chunks[ChunkKind.EXP_AVG_SQ].slot_view(record.slot).copy_(entry["exp_avg_sq"])
+                    step = entry["step"]
+                    device = family.chunks[ChunkKind.EXP_AVG].data.device
+                    self._steps[record.index] = torch.as_tensor(step, dtype=torch.float32).to(device).clone()
+                if "momentum_buffer" in entry and entry["momentum_buffer"] is not None:
+                    family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).copy_(entry["momentum_buffer"])
+                    self._momentum_started.add(record.index)
+
+    def __repr__(self) -> str:
+        return f"ChunkedOptimizer({type(self._user_optimizer).__name__}, groups={len(self.param_groups)})"

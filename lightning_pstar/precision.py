@@ -1,0 +1,176 @@
+"""PatrickStarPrecision: compute dtype, autocast, dynamic loss scaling, unscale, inf check, clipping.
+
+In ``16-mixed`` and ``bf16-mixed`` the model's parameters are compute-dtype copies of fp32 master weights
+that live in chunks; the forward runs under ``torch.autocast``. ``32-true`` trains in fp32 throughout.
+The gradient arithmetic itself (unscale, clip, update) runs inside the chunked optimizer's step, which
+this plugin configures through :class:`~lightning_pstar.optim.GradientPolicy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pstar.config import LossScaleConfig
+from lightning_pstar.optim import ChunkedOptimizer
+
+__all__ = ["PatrickStarPrecision", "SUPPORTED_PRECISIONS"]
+
+_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "32-true": torch.float32}
+SUPPORTED_PRECISIONS: tuple[str, ...] = tuple(_DTYPES)
+
+
+class LossScaleUnderflowError(RuntimeError):
+    """fp16 gradients kept overflowing until the loss scale reached its minimum."""
+
+
+class PatrickStarPrecision(Precision):
+    """Precision plugin of the PatrickStar strategy.
+
+    Args:
+        precision: "16-mixed", "bf16-mixed" or "32-true".
+        loss_scale: dynamic loss scaling options for "16-mixed".
+    """
+
+    def __init__(self, precision: str = "32-true", loss_scale: LossScaleConfig | None = None) -> None:
+        precision = str(precision)
+        if precision not in _DTYPES:
+            raise ValueError(
+                f"PatrickStar supports precision {list(SUPPORTED_PRECISIONS)}, got {precision!r}."
+                " HINT: use '32-true', 'bf16-mixed' or '16-mixed' (true half precision keeps no fp32 master)."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.compute_dtype = _DTYPES[precision]
+        self.loss_scale_config = loss_scale if loss_scale is not None else LossScaleConfig()
+        self.device_type = "cpu"  # set by the strategy to its root device's type
+        self.scale = self.loss_scale_config.initial_scale if self.uses_loss_scaling else 1.0
+        self._good_steps = 0
+        self.skipped_steps = 0
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.compute_dtype is torch.float16
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute_dtype is not torch.float32
+
+    @classmethod
+    def from_plugin(cls, plugin: Precision, loss_scale: LossScaleConfig | None = None) -> PatrickStarPrecision:
+        """Convert the plugin Lightning chose from ``Trainer(precision=...)``."""
+        if isinstance(plugin, PatrickStarPrecision):
+            return plugin
+        return cls(str(getattr(plugin, "precision", "32-true")), loss_scale=loss_scale)
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if not self.mixed:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=self.compute_dtype):
+            yield
+
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module  # the chunk manager casts parameters into their chunks
+
+    # ---- backward -----------------------------------------------------------------------------------------
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        tensor = super().pre_backward(tensor, module)
+        if self.uses_loss_scaling:
+            tensor = tensor * self.scale
+        return tensor
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.uses_loss_scaling:
+            tensor = tensor / self.scale
+        return super().post_backward(tensor, module)
+
+    # ---- step ---------------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        chunked = self._chunked(optimizer)
+        policy = chunked.gradient_policy
+        policy.inv_scale = 1.0 / self.scale
+        policy.check_finite = self.uses_loss_scaling
+        policy.clip_norm = None
+        policy.clip_value = None
+        result = super().optimizer_step(chunked, model=model, closure=closure, **kwargs)
+        if self.uses_loss_scaling:
+            self._update_scale(chunked.last_step.skipped)
+        return result
+
+    def _update_scale(self, skipped: bool) -> None:
+        cfg = self.loss_scale_config
+        if skipped:
+            self.skipped_steps += 1
+            self._good_steps = 0
+            if self.scale <= cfg.min_scale:
+                raise LossScaleUnderflowError(
+                    f"fp16 gradients overflowed at the minimum loss scale {cfg.min_scale} ({self.skipped_steps}"
+                    " steps skipped so far): training cannot make progress. HINT: lower the learning rate, check"
+                    " the data for inf/nan, or train with precision='bf16-mixed'."
+                )
+            self.scale = max(cfg.min_scale, self.scale * cfg.backoff_factor)
+            return
+        self._good_steps += 1
+        if self._good_steps >= cfg.growth_interval:
+            self.scale *= cfg.growth_factor
+            self._good_steps = 0
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0:
+            return
+        policy = self._chunked(optimizer).gradient_policy
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            policy.clip_value = float(clip_val)
+        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            policy.clip_norm = float(clip_val)
+        else:  # pragma: no cover - Lightning validates the algorithm
+            raise ValueError(f"unknown gradient clipping algorithm {gradient_clip_algorithm!r}")
+
+    @staticmethod
+    def _chunked(optimizer: Any) -> ChunkedOptimizer:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        if not isinstance(inner, ChunkedOptimizer):
+            raise TypeError(
+                f"PatrickStarPrecision needs the strategy's chunked optimizer, got {type(optimizer).__name__}."
+                " HINT: use it together with strategy='patrickstar'."
+            )
+        return inner
+
+    # ---- checkpoint ---------------------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scale = float(state_dict["scale"])
+        self._good_steps = int(state_dict["good_steps"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))

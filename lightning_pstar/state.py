@@ -1,0 +1,109 @@
+"""States of parameter slots and chunks, and the one table of allowed transitions.
+
+A slot's state says what its bytes mean and who may touch them. A chunk's state is derived from its
+slots. Any transition not in :data:`ALLOWED_TRANSITIONS` is a bug in the engine or an unsupported use
+of the model; :func:`check_transition` raises on it instead of letting training continue on wrong data.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = [
+    "ALLOWED_TRANSITIONS",
+    "ChunkState",
+    "InvalidTransitionError",
+    "TensorState",
+    "Tier",
+    "TrainingStage",
+    "check_transition",
+]
+
+
+class Tier(str, Enum):
+    """Where a chunk's bytes live."""
+
+    DEVICE = "device"
+    """The accelerator, or a simulated device in host RAM with its own byte budget."""
+    HOST = "host"
+    """CPU RAM (pinned when the device is CUDA)."""
+
+
+class TensorState(str, Enum):
+    """State of one parameter slot inside a chunk."""
+
+    FREE = "free"
+    """No parameter lives in the slot yet (before materialisation)."""
+    COMPUTE = "compute"
+    """A module is computing with the parameter: the chunk must stay resident and must not move."""
+    HOLD = "hold"
+    """The slot holds the parameter value; nobody is using it right now."""
+    HOLD_AFTER_FWD = "hold_after_fwd"
+    """Forward of the owning module finished; backward will need the value again."""
+    HOLD_AFTER_BWD = "hold_after_bwd"
+    """The gradient is final for the coming optimizer step. In mixed precision the slot holds the
+    gradient, not the weight, until the optimizer step writes the weight back."""
+
+
+class ChunkState(str, Enum):
+    """State of a chunk, derived from its slots (``COMPUTE`` wins over ``HOLD*``)."""
+
+    RELEASED = "released"
+    """No storage on any tier."""
+    COMPUTE = "compute"
+    """At least one slot is in ``COMPUTE``: the chunk is pinned where it is."""
+    HOLD = "hold"
+    """All slots are ``FREE`` or ``HOLD*``: the chunk may move or be evicted."""
+
+
+class TrainingStage(str, Enum):
+    """Which part of the iteration the engine is in."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER_STEP = "optimizer_step"
+    EVAL = "eval"
+    """Forward without gradients (validation, test, predict)."""
+
+
+_T = TensorState
+ALLOWED_TRANSITIONS: frozenset[tuple[TensorState, TensorState]] = frozenset(
+    {
+        (_T.FREE, _T.HOLD),  # materialised
+        # forward: a module starts using its parameters (again, for modules called twice or tied weights)
+        (_T.HOLD, _T.COMPUTE),
+        (_T.HOLD_AFTER_FWD, _T.COMPUTE),
+        (_T.COMPUTE, _T.COMPUTE),
+        (_T.COMPUTE, _T.HOLD_AFTER_FWD),  # post-forward
+        (_T.COMPUTE, _T.HOLD),  # post-forward without autograd (eval) or post-backward of a frozen param
+        # gradient final: from COMPUTE (its module's backward ran) or from a HOLD state (used functionally)
+        (_T.COMPUTE, _T.HOLD_AFTER_BWD),
+        (_T.HOLD_AFTER_FWD, _T.HOLD_AFTER_BWD),
+        (_T.HOLD, _T.HOLD_AFTER_BWD),
+        (_T.HOLD_AFTER_FWD, _T.HOLD),  # end of backward for a parameter that received no gradient
+        # the optimizer step (or a skipped step) wrote the weight back into the slot
+        (_T.HOLD_AFTER_BWD, _T.HOLD),
+        (_T.HOLD, _T.HOLD),
+    }
+)
+"""Every allowed ``(from, to)`` pair. Note what is missing: ``HOLD_AFTER_BWD -> COMPUTE`` (a module would
+read a gradient as its weight) and anything leaving ``COMPUTE`` for ``FREE``."""
+
+
+class InvalidTransitionError(RuntimeError):
+    """A slot was asked to move between states that the table does not allow."""
+
+
+def check_transition(current: TensorState, new: TensorState, *, what: str) -> None:
+    """Raise :class:`InvalidTransitionError` unless ``current -> new`` is in the table.
+
+    ``what`` names the parameter (and chunk) for the message.
+    """
+    if (current, new) not in ALLOWED_TRANSITIONS:
+        hint = ""
+        if current is TensorState.HOLD_AFTER_BWD and new is TensorState.COMPUTE:
+            hint = (
+                " The slot holds this step's gradient, not the weight. HINT: do not run the model between"
+                " backward and the optimizer step (read weights in callbacks after `optimizer_step`)."
+            )
+        raise InvalidTransitionError(f"Invalid state transition {current.value} -> {new.value} for {what}.{hint}")

@@ -1,0 +1,271 @@
+"""PatrickStarStrategy: the Lightning glue around the chunk engine.
+
+The strategy subclasses :class:`~lightning.pytorch.strategies.DDPStrategy` so that launching, ranks,
+nodes and cluster environments behave as users expect, and replaces DDP's model wrapping with the chunk
+engine: parameters live in chunks (:mod:`lightning_pstar.chunk_manager`), hooks move them
+(:mod:`lightning_pstar.hooks`), and the user's optimizer is stepped on the chunks
+(:mod:`lightning_pstar.optim`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from typing_extensions import override
+
+from lightning_pstar.chunk_manager import ChunkManager, MemoryReport
+from lightning_pstar.config import LossScaleConfig, PStarConfig
+from lightning_pstar.hooks import ModelHooks
+from lightning_pstar.optim import ChunkedOptimizer
+from lightning_pstar.precision import PatrickStarPrecision
+
+__all__ = ["PatrickStarStrategy"]
+
+log = logging.getLogger(__name__)
+
+_D = PStarConfig()  # the defaults, stated once in config.py
+
+
+class PatrickStarStrategy(DDPStrategy):
+    """Train models larger than the accelerator's memory with chunk-based memory management.
+
+    Every option is a field of :class:`~lightning_pstar.config.PStarConfig` (documented there); pass them
+    as keywords or as one ``config``. The remaining arguments are Lightning's own.
+    """
+
+    strategy_name = "patrickstar"
+
+    def __init__(
+        self,
+        *,
+        chunk_size: int | str = _D.chunk_size,
+        placement: str = _D.placement,
+        device_memory_limit: int | str | None = _D.device_memory_limit,
+        host_memory_limit: int | str | None = _D.host_memory_limit,
+        device_memory_fraction: float = _D.device_memory_fraction,
+        host_memory_fraction: float = _D.host_memory_fraction,
+        loss_scale: LossScaleConfig | Mapping[str, Any] | None = None,
+        config: PStarConfig | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if config is None:
+            config = PStarConfig(
+                chunk_size=chunk_size,
+                placement=placement,
+                device_memory_limit=device_memory_limit,
+                host_memory_limit=host_memory_limit,
+                device_memory_fraction=device_memory_fraction,
+                host_memory_fraction=host_memory_fraction,
+                loss_scale=LossScaleConfig(**loss_scale) if isinstance(loss_scale, Mapping) else (
+                    loss_scale or LossScaleConfig()
+                ),
+            )
+        self.config = config
+        self._manager: ChunkManager | None = None
+        self._hooks: ModelHooks | None = None
+        self._final_report: MemoryReport | None = None
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], **lightning_args: Any) -> PatrickStarStrategy:
+        """Build the strategy from a dict or OmegaConf node (e.g. a Hydra group); unknown keys raise."""
+        return cls(config=PStarConfig.from_mapping(options), **lightning_args)
+
+    # ---- precision ------------------------------------------------------------------------------------
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> PatrickStarPrecision:
+        plugin = self._precision_plugin
+        if not isinstance(plugin, PatrickStarPrecision):
+            plugin = PatrickStarPrecision.from_plugin(plugin or Precision(), self.config.loss_scale)
+            self._precision_plugin = plugin
+        return plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning hands over a generic plugin for `Trainer(precision=...)`: convert it (and reject
+        # unsupported precisions such as 64-true here, before anything is set up)
+        self._precision_plugin = (
+            None if plugin is None else PatrickStarPrecision.from_plugin(plugin, self.config.loss_scale)
+        )
+
+    # ---- model setup ----------------------------------------------------------------------------------
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # models built in `configure_model` are created on the meta device and materialised straight
+        # into chunks: the full fp32 model never exists on the device
+        with torch.device("meta"):
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.lightning_module is not None
+        if self.world_size > 1:
+            raise NotImplementedError(
+                f"PatrickStar runs on one process in this release; this run has world size {self.world_size}."
+                " HINT: use devices=1 and num_nodes=1."
+            )
+        self.accelerator.setup(trainer)
+        precision = self.precision_plugin
+        precision.device_type = self.root_device.type
+        module = self.lightning_module
+        manager = ChunkManager(
+            module,
+            config=self.config,
+            compute_dtype=precision.compute_dtype,
+            device=self.root_device,
+            precision=str(precision.precision),
+            world_size=self.world_size,
+            local_world_size=self.num_processes,
+        )  # plans and validates; nothing has changed yet
+        manager.materialise()
+        self._manager = manager
+        self._move_buffers(module)
+        self._hooks = ModelHooks(manager)
+        self._hooks.install()
+        self.model = module
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _move_buffers(self, module: nn.Module) -> None:
+        device = self.root_device
+        for mod in module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and buf.device != device:
+                    mod._buffers[name] = buf.to(device)
+
+    @override
+    def model_to_device(self) -> None:
+        # parameters live in chunks; only buffers follow the module (see `_move_buffers`)
+        if self.lightning_module is not None:
+            self._move_buffers(self.lightning_module)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        manager = self._require_manager()
+        self.optimizers = [ChunkedOptimizer(opt, manager) for opt in self.optimizers]
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model  # no DDP wrapper: the hooks installed on the model do the work
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the chunks must exist before a checkpoint can be loaded into them
+
+    # ---- iteration ------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._manager is not None:
+            self._manager.reset_states()
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this for every micro-batch that only accumulates gradients
+        manager = self._require_manager()
+        manager.accumulating = True
+        try:
+            yield
+        finally:
+            manager.accumulating = False
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        pass
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._manager is not None:
+            self._manager.end_backward()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._manager is None:
+            return super().lightning_module_state_dict()
+        return self._manager.full_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._manager is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        self._manager.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    # ---- reporting ------------------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """Bytes of chunks per tier, peak device bytes, transfer volume, evictions and chunk utilisation.
+
+        After the run has ended, the report as it stood at the end of the run.
+        """
+        if self._manager is None and self._final_report is not None:
+            return self._final_report
+        return self._require_manager().memory_report()
+
+    @property
+    def chunk_manager(self) -> ChunkManager:
+        """The engine behind this strategy (available once the Trainer has set it up)."""
+        return self._require_manager()
+
+    def _require_manager(self) -> ChunkManager:
+        if self._manager is None:
+            raise RuntimeError(
+                "The PatrickStar engine is not set up yet. HINT: call this after `trainer.fit/validate/test`"
+                " has started (e.g. in a callback) or after it has run."
+            )
+        return self._manager
+
+    # ---- teardown -------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        if self._manager is not None:
+            # hand back an ordinary module (fp32 weights on CPU, as Lightning's own teardown leaves it);
+            # the report of the run stays readable
+            self._final_report = self._manager.memory_report()
+            self._manager.restore_module(torch.device("cpu"))
+            self._manager = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="PatrickStar chunk-based memory management"
+            )
