@@ -203,4 +203,6 @@ class Chunk:
 
     def __repr__(self) -> str:
         tier = self._tier.value if self._tier else "released"
-        return f"Chunk(id={self.chunk_id}, kind={self.kind.value}, dtype={self.dtype}, capacity={self.capacity}, {tier})"
+        return (
+            f"Chunk(id={self.chunk_id}, kind={self.kind.value}, dtype={self.dtype}, capacity={self.capacity}, {tier})"
+        )

@@ -158,9 +158,10 @@ class ChunkManager:
         self._materialised = False
 
         self.device_budget = self._default_device_budget(config)
-        self.host_budget = config.host_limit_bytes
-        if self.host_budget is None:
-            self.host_budget = int(host_ram_bytes() * config.host_memory_fraction / max(1, local_world_size))
+        host_limit = config.host_limit_bytes
+        if host_limit is None:
+            host_limit = int(host_ram_bytes() * config.host_memory_fraction / max(1, local_world_size))
+        self.host_budget: int = host_limit
 
         self._named = self._collect_parameters(module)
         specs = [ParamSpec(name=names[0], numel=p.numel(), trainable=p.requires_grad) for p, names in self._named]
@@ -184,13 +185,11 @@ class ChunkManager:
         for plan in self.layout.chunks:
             slots = [
                 Slot(name=specs[i].name, offset=off, numel=specs[i].numel, shape=self._named[i][0].shape)
-                for i, off in zip(plan.members, plan.offsets)
+                for i, off in zip(plan.members, plan.offsets, strict=True)
             ]
-            family = ChunkFamily(
-                family_id=plan.chunk_id, trainable=plan.trainable, capacity=plan.capacity, slots=slots
-            )
+            family = ChunkFamily(family_id=plan.chunk_id, trainable=plan.trainable, capacity=plan.capacity, slots=slots)
             self.families.append(family)
-            for i, slot in zip(plan.members, slots):
+            for i, slot in zip(plan.members, slots, strict=True):
                 param, names = self._named[i]
                 record = ParamRecord(
                     index=i,
@@ -494,17 +493,14 @@ class ChunkManager:
         else:
             target.copy_(grad)
 
-    def end_backward(self) -> None:
-        """After backward: slots still in use or waiting for backward go back to ``HOLD``."""
+    def settle(self) -> None:
+        """Slots still in use or waiting for a backward go back to ``HOLD`` (after backward, before a batch).
+
+        Slots in ``HOLD_AFTER_BWD`` keep their gradient for the coming optimizer step.
+        """
         for record in self.records:
             if record.slot.state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD):
                 record.slot.set_state(TensorState.HOLD, chunk_id=record.family.family_id)
-
-    def reset_states(self) -> None:
-        """Before an iteration or evaluation: every slot not waiting for the optimizer step is ``HOLD``."""
-        for record in self.records:
-            if record.slot.state is not TensorState.HOLD_AFTER_BWD:
-                record.slot.state = TensorState.HOLD if record.slot.state is not TensorState.FREE else record.slot.state
 
     def discard_grads(self) -> None:
         """Forget gradients (``zero_grad``); weights overwritten by gradients are restored from the masters."""

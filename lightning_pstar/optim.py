@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,12 +67,13 @@ class ChunkedOptimizer(Optimizer):
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
         self.state: defaultdict[Any, Any] = defaultdict(dict)
-        self._optimizer_step_pre_hooks: dict[int, Callable] = {}
-        self._optimizer_step_post_hooks: dict[int, Callable] = {}
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable] = {}
-        self._optimizer_state_dict_post_hooks: dict[int, Callable] = {}
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = {}
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = {}
+        # the hook tables Optimizer.__init__ would create (it is not called: it would re-add param groups)
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self.gradient_policy = GradientPolicy()
         self.last_step = StepResult()
         self._group_of: dict[int, int] = {}  # record index -> param group index
@@ -115,7 +116,7 @@ class ChunkedOptimizer(Optimizer):
 
     # ---- the step ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -205,12 +206,14 @@ class ChunkedOptimizer(Optimizer):
         for gi, records in sorted(by_group.items()):
             group = self.param_groups[gi]
             params = [master.slot_view(r.slot) for r in records]
-            g = [grads[r.index] for r in records]
-            g = [x if x.device == params[0].device else x.to(params[0].device) for x in g]
+            device = params[0].device
+            group_grads = [
+                grads[r.index] if grads[r.index].device == device else grads[r.index].to(device) for r in records
+            ]
             if self._is_adam:
-                self._adam(group, family, records, params, g)
+                self._adam(group, family, records, params, group_grads)
             else:
-                self._sgd(group, family, records, params, g)
+                self._sgd(group, family, records, params, group_grads)
         if manager.mixed:
             for record in family.records:
                 if record.index in grads:
@@ -290,7 +293,7 @@ class ChunkedOptimizer(Optimizer):
             # torch starts a momentum buffer as a copy of the first gradient: let the kernel create it
             new_bufs: list[torch.Tensor | None] = [None] * len(fresh)
             sgd_functional([params[i] for i in fresh], [grads[i] for i in fresh], new_bufs, fused=True, **kwargs)
-            for i, buf in zip(fresh, new_bufs):
+            for i, buf in zip(fresh, new_bufs, strict=True):
                 assert buf is not None
                 buffers.slot_view(records[i].slot).copy_(buf)
                 self._momentum_started.add(records[i].index)
@@ -307,7 +310,7 @@ class ChunkedOptimizer(Optimizer):
                 out.append((len(out), p))
         return out
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         manager = self._manager
         state: dict[int, dict[str, Any]] = {}
         for index, p in self._ordered_params():
@@ -334,7 +337,7 @@ class ChunkedOptimizer(Optimizer):
             groups.append(packed)
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or "state" not in state_dict:
             raise ValueError("optimizer state_dict must have 'state' and 'param_groups' (torch's layout)")
@@ -343,7 +346,7 @@ class ChunkedOptimizer(Optimizer):
                 f"optimizer state has {len(groups)} param groups, this optimizer has {len(self.param_groups)}."
                 " HINT: configure_optimizers must build the same groups as the run that saved it."
             )
-        for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
+        for gi, (saved, mine) in enumerate(zip(groups, self.param_groups, strict=True)):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(
                     f"param group {gi}: the saved state has {len(saved['params'])} parameters, this optimizer"
@@ -353,7 +356,7 @@ class ChunkedOptimizer(Optimizer):
         saved_index = [i for g in groups for i in g["params"]]
         manager = self._manager
         updates: list[tuple[ParamRecord, dict[str, Any]]] = []
-        for (pos, p), key in zip(ordered, saved_index):
+        for (_pos, p), key in zip(ordered, saved_index, strict=True):
             entry = state_dict["state"].get(key)
             if entry is None:
                 continue
@@ -366,7 +369,7 @@ class ChunkedOptimizer(Optimizer):
                     )
             updates.append((record, entry))
         # validated: now change state
-        for saved, mine in zip(groups, self.param_groups):
+        for saved, mine in zip(groups, self.param_groups, strict=True):
             for k, v in saved.items():
                 if k != "params":
                     mine[k] = v

@@ -51,6 +51,7 @@ class PatrickStarPrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self.compute_dtype = _DTYPES[precision]
         self.loss_scale_config = loss_scale if loss_scale is not None else LossScaleConfig()
+        self._loss_scale_explicit = loss_scale is not None
         self.device_type = "cpu"  # set by the strategy to its root device's type
         self.scale = self.loss_scale_config.initial_scale if self.uses_loss_scaling else 1.0
         self._good_steps = 0
@@ -66,8 +67,15 @@ class PatrickStarPrecision(Precision):
 
     @classmethod
     def from_plugin(cls, plugin: Precision, loss_scale: LossScaleConfig | None = None) -> PatrickStarPrecision:
-        """Convert the plugin Lightning chose from ``Trainer(precision=...)``."""
+        """Convert the plugin Lightning chose from ``Trainer(precision=...)``.
+
+        ``loss_scale`` (the strategy's option) applies unless the plugin was given its own.
+        """
         if isinstance(plugin, PatrickStarPrecision):
+            if loss_scale is not None and not plugin._loss_scale_explicit:
+                plugin.loss_scale_config = loss_scale
+                if plugin.uses_loss_scaling:
+                    plugin.scale = loss_scale.initial_scale
             return plugin
         return cls(str(getattr(plugin, "precision", "32-true")), loss_scale=loss_scale)
 

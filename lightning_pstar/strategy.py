@@ -75,9 +75,9 @@ class PatrickStarStrategy(DDPStrategy):
                 host_memory_limit=host_memory_limit,
                 device_memory_fraction=device_memory_fraction,
                 host_memory_fraction=host_memory_fraction,
-                loss_scale=LossScaleConfig(**loss_scale) if isinstance(loss_scale, Mapping) else (
-                    loss_scale or LossScaleConfig()
-                ),
+                loss_scale=LossScaleConfig(**loss_scale)
+                if isinstance(loss_scale, Mapping)
+                else (loss_scale or LossScaleConfig()),
             )
         self.config = config
         self._manager: ChunkManager | None = None
@@ -100,7 +100,7 @@ class PatrickStarStrategy(DDPStrategy):
         return cls(config=PStarConfig.from_mapping(options), **lightning_args)
 
     # ---- precision ------------------------------------------------------------------------------------
-    @property  # type: ignore[override]
+    @property
     def precision_plugin(self) -> PatrickStarPrecision:
         plugin = self._precision_plugin
         if not isinstance(plugin, PatrickStarPrecision):
@@ -177,7 +177,7 @@ class PatrickStarStrategy(DDPStrategy):
         self.optimizers = [ChunkedOptimizer(opt, manager) for opt in self.optimizers]
 
     @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
         return model  # no DDP wrapper: the hooks installed on the model do the work
 
     @property
@@ -189,7 +189,7 @@ class PatrickStarStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._manager is not None:
-            self._manager.reset_states()
+            self._manager.settle()
 
     @override
     @contextmanager
@@ -209,7 +209,7 @@ class PatrickStarStrategy(DDPStrategy):
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self._manager is not None:
-            self._manager.end_backward()
+            self._manager.settle()
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     @override
@@ -266,6 +266,4 @@ class PatrickStarStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="PatrickStar chunk-based memory management"
-            )
+            strategy_registry.register(cls.strategy_name, cls, description="PatrickStar chunk-based memory management")
