@@ -27,8 +27,8 @@ __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "
 log = logging.getLogger(__name__)
 
 
-class MemoryBudgetError(RuntimeError):
-    """The chunks needed at one moment do not fit the tier budgets."""
+class MemoryBudgetError(ValueError):
+    """The chunks needed at one moment do not fit the tier budgets (a budget option is too small)."""
 
 
 @dataclass(kw_only=True)
@@ -294,8 +294,11 @@ class ChunkManager:
         for record in self.records:
             if not record.param.is_meta:
                 self._fill_slot(record, record.param.detach())
+        # meta parameters are initialised module by module, in module order; a tied parameter keeps the
+        # initialisation of the last module that owns it
+        from_meta = {r.index for r in self.records if r.param.is_meta}
         for mod in meta_modules:
-            self._materialise_meta_module(mod)
+            self._materialise_meta_module(mod, from_meta)
         for record in self.records:
             self._point_at_chunk(record)
             record.slot.set_state(TensorState.HOLD, chunk_id=record.family.family_id)
@@ -355,19 +358,18 @@ class ChunkManager:
             if ChunkKind.MASTER in family.chunks:
                 family.chunks[ChunkKind.MASTER].slot_view(record.slot).copy_(value)
 
-    def _materialise_meta_module(self, mod: nn.Module) -> None:
-        fresh: list[ParamRecord] = []
+    def _materialise_meta_module(self, mod: nn.Module, from_meta: set[int]) -> None:
         for param in list(mod._parameters.values()):
             if param is None or not param.is_meta:
                 continue
             record = self._by_id[id(param)]
             value = torch.empty(param.shape, dtype=record.orig_dtype, device=self.device)
             self._replace_parameter(record, nn.Parameter(value, requires_grad=param.requires_grad))
-            fresh.append(record)
         with torch.no_grad():
             mod.reset_parameters()  # type: ignore[operator]
-        for record in fresh:
-            self._fill_slot(record, record.param.detach())
+        for record in self.module_records[mod]:
+            if record.index in from_meta:
+                self._fill_slot(record, record.param.detach())
 
     def _replace_parameter(self, record: ParamRecord, new: nn.Parameter) -> None:
         """Swap the record's parameter for ``new`` in every module that holds it (tied weights included)."""

@@ -386,5 +386,10 @@ class ChunkedOptimizer(Optimizer):
                     family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).copy_(entry["momentum_buffer"])
                     self._momentum_started.add(record.index)
 
+    @property
+    def user_optimizer(self) -> Optimizer:
+        """The optimizer ``configure_optimizers`` returned (its param_groups are shared with this one)."""
+        return self._user_optimizer
+
     def __repr__(self) -> str:
         return f"ChunkedOptimizer({type(self._user_optimizer).__name__}, groups={len(self.param_groups)})"

@@ -116,6 +116,16 @@ class PatrickStarStrategy(DDPStrategy):
             None if plugin is None else PatrickStarPrecision.from_plugin(plugin, self.config.loss_scale)
         )
 
+    # ---- distributed ----------------------------------------------------------------------------------
+    @override
+    def setup_distributed(self) -> None:
+        if self.num_nodes * self.num_processes > 1:
+            super().setup_distributed()
+            return
+        # one process: no process group (it would hold a port for the life of the process, and every
+        # collective of a world of one is the identity)
+        self.set_world_ranks()
+
     # ---- model setup ----------------------------------------------------------------------------------
     @override
     @contextmanager
@@ -255,11 +265,19 @@ class PatrickStarStrategy(DDPStrategy):
             self._hooks.remove()
             self._hooks = None
         if self._manager is not None:
-            # hand back an ordinary module (fp32 weights on CPU, as Lightning's own teardown leaves it);
-            # the report of the run stays readable
+            # hand back an ordinary module (fp32 weights on CPU, as Lightning's own teardown leaves it) and
+            # the user's own optimizers holding the trained state, so that `trainer.save_checkpoint` after
+            # `fit` writes a complete checkpoint; the report of the run stays readable
             self._final_report = self._manager.memory_report()
+            chunked = [opt for opt in self.optimizers if isinstance(opt, ChunkedOptimizer)]
+            states = [opt.state_dict() for opt in chunked]
             self._manager.restore_module(torch.device("cpu"))
             self._manager = None
+            for opt, state in zip(chunked, states, strict=True):
+                opt.user_optimizer.load_state_dict(state)
+            self.optimizers = [
+                opt.user_optimizer if isinstance(opt, ChunkedOptimizer) else opt for opt in self.optimizers
+            ]
         super().teardown()
 
     @classmethod
