@@ -1,12 +1,19 @@
 """A chunk: one contiguous 1-D buffer of one dtype holding many tensors at fixed offsets.
 
 [Note: storage identity]
-Autograd saves views of parameters for backward (a linear layer saves ``weight.t()``). If a parameter's
-``.data`` were re-pointed at a new tensor after forward, backward would silently read the old storage.
-So a chunk owns ONE storage per tier for its whole life. Evicting from DEVICE copies the bytes to the
-HOST buffer and frees the device storage in place with ``untyped_storage().resize_(0)``; fetching back
-does ``resize_(nbytes)`` on the same storage and copies in. Parameter views into the device buffer are
-created once and stay valid; every view saved by autograd sees the fetched bytes.
+Autograd saves views of parameters for backward (a linear layer saves ``weight.t()``). If those views
+pointed at memory that is freed and later replaced by a new allocation, backward would silently read the
+wrong bytes. So a chunk owns ONE storage per tier for its whole life. Evicting from DEVICE copies the bytes
+to the HOST buffer and frees the device storage in place with ``untyped_storage().resize_(0)``; fetching
+back does ``resize_(nbytes)`` on the same storage and copies in, so every view autograd saved from the
+device buffer reads the fetched bytes. (Checked on torch 2.13: re-pointing a parameter at a new device
+tensor after forward gives wrong gradients; resizing the same storage gives exact ones.)
+
+The parameters themselves point at the buffer of the tier that currently holds their chunk: the chunk
+manager re-points them whenever the chunk moves (which never happens while a module computes with it).
+A parameter therefore never refers to freed memory: reading a weight whose chunk is on HOST reads the
+HOST copy instead of crashing the process. Before a module runs again its chunk is fetched, and the
+parameter points at the (refilled) device storage again, before autograd can save anything new.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from torch import nn
 from lightning_pstar.chunk import Chunk, ChunkKind, Slot, TransferStats
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.layout import Layout, ParamSpec, plan_layout, search_chunk_size
+from lightning_pstar.memory_tracer import MemoryTracer, MomentKind
 from lightning_pstar.placement import PlacementPolicy, make_policy
 from lightning_pstar.state import TensorState, Tier
 
@@ -84,7 +85,13 @@ class MemoryReport:
     evictions: int
     device_memory_limit: int | None
     host_memory_limit: int | None
-    optimizer_tier: str
+    optimizer_tier: str  # where the optimizer step runs, per chunk family
+    placement: str = "static"
+    prefetches: int = 0  # chunks fetched ahead of their moment
+    peak_non_model_bytes: int = 0  # warm-up peak of non-model memory on the device
+    moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
+    moment_device_chunk_bytes: list[int] = field(default_factory=list)  # per moment, last iteration seen
+    moment_labels: list[str] = field(default_factory=list)  # "fwd:3", "bwd:3", "step"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +120,9 @@ class MemoryReport:
             ("host -> device", fmt(self.h2d_bytes)),
             ("device -> host", fmt(self.d2h_bytes)),
             ("evictions", str(self.evictions)),
+            ("prefetches", str(self.prefetches)),
+            ("placement", self.placement),
+            ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),
             ("optimizer runs on", self.optimizer_tier),
         ]
         width = max(len(k) for k, _ in rows)
@@ -141,6 +151,7 @@ class ChunkManager:
         precision: str = "",
         world_size: int = 1,
         local_world_size: int = 1,
+        accumulates: bool = False,
         policy: PlacementPolicy | None = None,
     ) -> None:
         self.module = module
@@ -151,8 +162,22 @@ class ChunkManager:
         self.simulated = device.type == "cpu"
         self.precision = precision
         self.world_size = world_size
-        self.policy = policy if policy is not None else make_policy(config.placement)
+        # mixed precision keeps an fp32 gradient sum per trainable family while accumulating micro-batches
+        self.accumulates = accumulates
         self.stats = TransferStats()
+        self.tracer = MemoryTracer(device, lambda: self.stats.per_tier_bytes[Tier.DEVICE])
+        self.policy = (
+            policy
+            if policy is not None
+            else make_policy(
+                config.placement,
+                self.tracer,
+                static_chunk_fraction=config.static_chunk_fraction,
+                warmup_chunk_fraction=config.warmup_chunk_fraction,
+            )
+        )
+        self.in_training = False  # True inside training micro-batches: moments are traced/followed
+        self.moment_chunk_bytes: dict[int, int] = {}  # moment index -> chunk bytes on the device (last seen)
         self.accumulating = False  # True while Lightning accumulates gradients (non-final micro-batch)
         self._tick = 0
         self._materialised = False
@@ -177,6 +202,7 @@ class ChunkManager:
         else:
             self.layout = plan_layout(specs, config.chunk_elements, world_size=world_size)
         self.optimizer_bytes_per_elem = 0  # set by the optimizer (8 for Adam, 4 for SGD with momentum)
+        self._min_device_bytes = self.min_device_bytes()[0]
         self._check_budgets()
 
         # build the side tables (no memory for chunks yet)
@@ -239,21 +265,31 @@ class ChunkManager:
     def _model_data_bytes(self, *, optimizer_bytes_per_elem: int) -> int:
         """Bytes of every chunk family once the optimizer's states exist."""
         param_b = self.compute_dtype.itemsize
-        # mixed: fp32 master; 32-true: fp32 grad chunk. Both 4 bytes/elem.
-        trainable = param_b + 4 + optimizer_bytes_per_elem
+        # mixed: fp32 master (+ fp32 gradient sum when accumulating); 32-true: fp32 grad chunk
+        trainable = param_b + 4 + optimizer_bytes_per_elem + (4 if self.mixed and self.accumulates else 0)
         return self.layout.family_bytes(trainable_bytes_per_elem=trainable, frozen_bytes_per_elem=param_b)
 
     def min_device_bytes(self) -> tuple[int, str]:
-        """Bytes of param chunks that one module needs resident at once, and that module's name."""
-        names = {m: n for n, m in self.module.named_modules()}
-        worst, worst_name = 0, ""
+        """Bytes of param chunks that must be resident at once for one module's forward, and its name.
+
+        A module's own parameters stay in use while its children run, so each module counts the chunks
+        of its ancestors' direct parameters too.
+        """
         by_id = {id(p): i for i, (p, _) in enumerate(self._named)}
         itemsize = self.compute_dtype.itemsize
-        for mod in self.module.modules():
-            chunk_ids = {self.layout.param_chunk[by_id[id(p)]] for p in mod.parameters(recurse=False)}
-            need = sum(self.layout.chunks[c].capacity * itemsize for c in chunk_ids)
+        worst, worst_name = 0, ""
+
+        def visit(mod: nn.Module, name: str, inherited: frozenset[int]) -> None:
+            nonlocal worst, worst_name
+            own = {self.layout.param_chunk[by_id[id(p)]] for p in mod.parameters(recurse=False)}
+            chunks = inherited | own
+            need = sum(self.layout.chunks[c].capacity * itemsize for c in chunks)
             if need > worst:
-                worst, worst_name = need, names.get(mod, "?") or "<root>"
+                worst, worst_name = need, name or "<root>"
+            for child_name, child in mod.named_children():
+                visit(child, f"{name}.{child_name}" if name else child_name, chunks)
+
+        visit(self.module, "", frozenset())
         return worst, worst_name
 
     def _check_budgets(self) -> None:
@@ -280,13 +316,16 @@ class ChunkManager:
         """Allocate chunks, move or initialise every parameter into its slot and re-point the model."""
         assert not self._materialised, "materialise() runs once"
         meta_modules = [m for m, recs in self.module_records.items() if any(r.param.is_meta for r in recs)]
-        for mod in meta_modules:
+        buffer_modules = [
+            m for m in self.module.modules() if any(b is not None and b.is_meta for b in m._buffers.values())
+        ]
+        for mod in [*meta_modules, *(m for m in buffer_modules if m not in meta_modules)]:
             if not hasattr(mod, "reset_parameters"):
                 name = next(n for n, m in self.module.named_modules() if m is mod)
                 raise ValueError(
                     f"Module '{name or '<root>'}' ({type(mod).__name__}) was built on the meta device but has no"
-                    " `reset_parameters()` to initialise its parameters. HINT: define reset_parameters() on it or"
-                    " build the model in `__init__` instead of `configure_model`."
+                    " `reset_parameters()` to initialise its parameters and buffers. HINT: define"
+                    " reset_parameters() on it or build the model in `__init__` instead of `configure_model`."
                 )
         for family in self.families:
             self._allocate_family(family)
@@ -299,6 +338,13 @@ class ChunkManager:
         from_meta = {r.index for r in self.records if r.param.is_meta}
         for mod in meta_modules:
             self._materialise_meta_module(mod, from_meta)
+        for mod in buffer_modules:
+            for name, buf in mod._buffers.items():
+                if buf is not None and buf.is_meta:
+                    mod._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=self.device)
+            if mod not in meta_modules:
+                with torch.no_grad():
+                    mod.reset_parameters()  # type: ignore[operator]
         for record in self.records:
             self._point_at_chunk(record)
             record.slot.set_state(TensorState.HOLD, chunk_id=record.family.family_id)
@@ -346,7 +392,7 @@ class ChunkManager:
                 if kind not in family.chunks:
                     chunk = self._new_chunk(family, kind, torch.float32)
                     chunk.allocate(self._optimizer_side_tier(chunk.nbytes))
-            if not self.mixed and ChunkKind.GRAD not in family.chunks:
+            if (not self.mixed or self.accumulates) and ChunkKind.GRAD not in family.chunks:
                 grad = self._new_chunk(family, ChunkKind.GRAD, torch.float32)
                 grad.allocate(self._optimizer_side_tier(grad.nbytes))
         self.optimizer_bytes_per_elem = 4 * len(kinds)
@@ -359,6 +405,9 @@ class ChunkManager:
                 family.chunks[ChunkKind.MASTER].slot_view(record.slot).copy_(value)
 
     def _materialise_meta_module(self, mod: nn.Module, from_meta: set[int]) -> None:
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.is_meta:
+                mod._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=self.device)
         for param in list(mod._parameters.values()):
             if param is None or not param.is_meta:
                 continue
@@ -367,7 +416,7 @@ class ChunkManager:
             self._replace_parameter(record, nn.Parameter(value, requires_grad=param.requires_grad))
         with torch.no_grad():
             mod.reset_parameters()  # type: ignore[operator]
-        for record in self.module_records[mod]:
+        for record in self.module_records.get(mod, []):
             if record.index in from_meta:
                 self._fill_slot(record, record.param.detach())
 
@@ -390,25 +439,37 @@ class ChunkManager:
         return record
 
     def _point_at_chunk(self, record: ParamRecord) -> None:
-        """Point the parameter at its slot in the DEVICE buffer, once (see the storage-identity note)."""
+        """Point the parameter at its slot in the buffer of the tier that holds its chunk.
+
+        See [Note: storage identity] in ``chunk.py``: parameters move between the two storages of their
+        chunk only when the chunk moves, which never happens while a module computes with it.
+        """
         chunk = record.family.param_chunk
-        buf = chunk.device_buffer
-        resident = chunk.tier is Tier.DEVICE
-        if not resident:
-            buf.untyped_storage().resize_(chunk.nbytes)  # a view needs the storage; no bytes are copied
-        view = buf[record.slot.offset : record.slot.offset + record.slot.numel].view(record.slot.shape)
-        record.param.data = view
-        if not resident:
-            buf.untyped_storage().resize_(0)
+        record.param.data = chunk.data[record.slot.offset : record.slot.offset + record.slot.numel].view(
+            record.slot.shape
+        )
+
+    def move_param_chunk(self, family: ChunkFamily, tier: Tier) -> None:
+        """Move ``family``'s param chunk to ``tier`` and re-point its parameters there."""
+        chunk = family.param_chunk
+        if chunk.tier is tier:
+            return
+        if tier is Tier.HOST:
+            self._check_host_room(chunk.nbytes)
+        chunk.move_to(tier)
+        if self._materialised:  # during materialisation parameters are pointed once at the end
+            for record in family.records:
+                self._point_at_chunk(record)
 
     # ---- access ---------------------------------------------------------------------------------------
     def _device_used(self) -> int:
         return self.stats.per_tier_bytes[Tier.DEVICE]
 
     def _ensure_device_room(self, nbytes: int, *, protect: set[int]) -> None:
-        if self.device_budget is None:
+        room = self.policy.chunk_room(self.device_budget, self._min_device_bytes)
+        if room is None:
             return
-        missing = self._device_used() + nbytes - self.device_budget
+        missing = self._device_used() + nbytes - room
         if missing <= 0:
             return
         candidates = [
@@ -421,12 +482,12 @@ class ChunkManager:
             in_use = [f.family_id for f in self.families if f.family_id in protect]
             raise MemoryBudgetError(
                 f"cannot make room for {_fmt_bytes(nbytes)} on the device: {_fmt_bytes(self._device_used())} of"
-                f" the {_fmt_bytes(self.device_budget)} budget are held by chunks in use (families {in_use}) or"
+                f" the {_fmt_bytes(room)} chunks may use now are held by chunks in use (families {in_use}) or"
                 " not evictable. HINT: raise device_memory_limit or lower chunk_size."
             )
         for victim in victims:
             self._check_host_room(victim.nbytes)
-            victim.move_to(Tier.HOST)
+            self.move_param_chunk(self.families[victim.chunk_id], Tier.HOST)
             self.stats.evictions += 1
 
     def _check_host_room(self, nbytes: int) -> None:
@@ -445,22 +506,123 @@ class ChunkManager:
         if chunk.tier is Tier.DEVICE:
             return
         self._ensure_device_room(chunk.nbytes, protect=protect | {family.family_id})
-        chunk.move_to(Tier.DEVICE)
+        self.move_param_chunk(family, Tier.DEVICE)
 
-    def access(self, records: Sequence[ParamRecord], new_state: TensorState) -> None:
-        """Make the chunks of ``records`` resident and move their slots to ``new_state``."""
+    def access(
+        self,
+        records: Sequence[ParamRecord],
+        new_state: TensorState,
+        moment: tuple[MomentKind, int] | None = None,
+    ) -> None:
+        """Make the chunks of ``records`` resident and move their slots to ``new_state``.
+
+        ``moment`` names the point of the iteration (for the warm-up trace and the plan that follows it).
+        """
         families = {r.family.family_id: r.family for r in records}
+        if moment is not None and self.in_training:
+            self.tracer.moment(moment[0], moment[1], tuple(families))
         protect = set(families)
         for family in families.values():
             self.fetch(family, protect=protect)
         for record in records:
             record.slot.set_state(new_state, chunk_id=record.family.family_id)
+        if self.in_training:
+            if moment is not None and self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
+                self.moment_chunk_bytes[self.tracer.cursor] = self._device_used()
+            self._prefetch(protect)
+
+    def _prefetch(self, protect: set[int]) -> None:
+        """Fetch the next moment's chunks ahead of time when they fit without evicting anything."""
+        wanted = [fid for fid in self.policy.prefetch() if self.families[fid].param_chunk.tier is not Tier.DEVICE]
+        if not wanted:
+            return
+        room = self.policy.chunk_room(self.device_budget, self._min_device_bytes)
+        for fid in wanted:
+            chunk = self.families[fid].param_chunk
+            if room is not None and self._device_used() + chunk.nbytes > room:
+                return
+            if chunk.tier is Tier.HOST:
+                with torch.profiler.record_function("pstar::prefetch"):
+                    self.move_param_chunk(self.families[fid], Tier.DEVICE)
+                self.stats.prefetches += 1
+
+    # ---- warm-up ---------------------------------------------------------------------------------------
+    def begin_training_batch(self) -> None:
+        """A training micro-batch starts; the first one of the run starts the warm-up trace."""
+        self.in_training = True
+        self.settle()
+        if not self.tracer.warmed_up and not self.tracer.recording:
+            self.tracer.start_recording()
+        else:
+            self.tracer.start_iteration()
+
+    def step_moment(self) -> None:
+        """The optimizer step is a moment of its own (it accesses every trainable family)."""
+        if self.in_training:
+            fids = tuple(f.family_id for f in self.families if f.trainable)
+            self.tracer.moment(MomentKind.STEP, 0, fids)
+
+    def end_warmup_if_recording(self) -> None:
+        """After the first optimizer step: close the trace, check the budget, plan optimizer placement."""
+        if not self.tracer.recording:
+            return
+        self.tracer.stop_recording()
+        if self.device_budget is None or self.policy.name != "auto":
+            return
+        for index, moment in enumerate(self.tracer.trace.moments):
+            need = (
+                sum(self.families[f].param_chunk.nbytes for f in moment.families)
+                if moment.kind is not MomentKind.STEP
+                else 0
+            )
+            if need + moment.non_model_bytes > self.device_budget:
+                raise MemoryBudgetError(
+                    f"device_memory_limit is too small for this model's iteration: at moment {index}"
+                    f" ({moment.kind.value}) the warm-up measured {_fmt_bytes(moment.non_model_bytes)} of"
+                    f" non-model memory (activations) and the chunks needed then take {_fmt_bytes(need)}, together"
+                    f" {_fmt_bytes(need + moment.non_model_bytes)}, but the device budget is"
+                    f" {_fmt_bytes(self.device_budget)}. HINT: raise device_memory_limit, lower the batch size or"
+                    " chunk_size, or use activation checkpointing."
+                )
+        self._plan_hybrid_optimizer()
+
+    def _plan_hybrid_optimizer(self) -> None:
+        """Keep whole optimizer-state families on the device as far as the margin at the step allows."""
+        assert self.device_budget is not None
+        params = sum(f.param_chunk.nbytes for f in self.families)
+        margin = self.device_budget - self.tracer.trace.peak_non_model - params
+        moved = 0
+        for family in self.families:
+            side = [c for k, c in family.chunks.items() if k is not ChunkKind.PARAM and c.tier is Tier.HOST]
+            nbytes = sum(c.nbytes for c in side)
+            if not side or nbytes > margin:
+                continue
+            for chunk in side:
+                chunk.move_to(Tier.DEVICE)
+            margin -= nbytes
+            moved += 1
+        log.info("PatrickStar: %d of %d optimizer-state families run on the device", moved, len(self.families))
+
+    def optimizer_tier_of(self, family: ChunkFamily) -> Tier:
+        """Where ``family``'s optimizer step runs: the tier of its optimizer-side chunks."""
+        for kind, chunk in family.chunks.items():
+            if kind is not ChunkKind.PARAM and chunk.tier is not None:
+                return chunk.tier
+        return Tier.DEVICE
 
     def release(self, records: Iterable[ParamRecord], new_state: TensorState) -> None:
         """Move slots out of ``COMPUTE``; their chunks become evictable once no slot computes."""
         for record in records:
             if record.slot.state is TensorState.COMPUTE:
                 record.slot.set_state(new_state, chunk_id=record.family.family_id)
+
+    def post_backward(self, records: Iterable[ParamRecord]) -> None:
+        """A module's backward is done: frozen slots go to ``HOLD``, trainable ones still waiting for their
+        final gradient (tied weights, parameters used again earlier in forward) to ``HOLD_AFTER_FWD``."""
+        for record in records:
+            if record.slot.state is TensorState.COMPUTE:
+                new = TensorState.HOLD_AFTER_FWD if record.trainable else TensorState.HOLD
+                record.slot.set_state(new, chunk_id=record.family.family_id)
 
     # ---- gradients ------------------------------------------------------------------------------------
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
@@ -481,9 +643,17 @@ class ChunkManager:
     def _grad_chunk(self, family: ChunkFamily) -> Chunk:
         chunk = family.chunks.get(ChunkKind.GRAD)
         if chunk is None:
-            # mixed precision accumulates micro-batch gradients in fp32, allocated on first need
+            # mixed precision sums micro-batch gradients in fp32. Declared runs (``accumulates=True``)
+            # allocate it at setup within the plan; otherwise it goes to the device only if it fits there
+            # without evicting anything in the middle of a backward.
             chunk = self._new_chunk(family, ChunkKind.GRAD, torch.float32)
-            chunk.allocate(self._optimizer_side_tier(chunk.nbytes))
+            tier = self.optimizer_tier
+            room = self.policy.chunk_room(self.device_budget, self._min_device_bytes)
+            if tier is Tier.DEVICE and room is not None and self._device_used() + chunk.nbytes > room:
+                tier = Tier.HOST
+            if tier is Tier.HOST:
+                self._check_host_room(chunk.nbytes)
+            chunk.allocate(tier)
         return chunk
 
     def _copy_in(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, *, add: bool) -> None:
@@ -560,6 +730,13 @@ class ChunkManager:
                     f" {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model configuration."
                 )
             values.append((record, value))
+        buffers = dict(self.module.named_buffers())
+        for key, value in state_dict.items():
+            if key in buffers and key not in param_names and tuple(value.shape) != tuple(buffers[key].shape):
+                raise ValueError(
+                    f"state_dict['{key}'] has shape {tuple(value.shape)}, the model's buffer has"
+                    f" {tuple(buffers[key].shape)}. HINT: the checkpoint belongs to another model configuration."
+                )
         if strict:
             # a tied parameter may be stored under only one of its names
             tied_ok = {n for r, _ in values for n in r.names}
@@ -573,7 +750,6 @@ class ChunkManager:
             for record, value in values:
                 self._fill_slot(record, value)
                 record.slot_holds_grad = False
-            buffers = dict(self.module.named_buffers())
             for key, value in state_dict.items():
                 if key in buffers and key not in param_names:
                     buffers[key].copy_(value)
@@ -594,7 +770,17 @@ class ChunkManager:
         for family in self.families:
             yield from family.chunks.values()
 
+    def _optimizer_placement_summary(self) -> str:
+        tiers = [self.optimizer_tier_of(f) for f in self.families if f.trainable and len(f.chunks) > 1]
+        if not tiers:
+            return self.optimizer_tier.value
+        on_device = sum(t is Tier.DEVICE for t in tiers)
+        if on_device in (0, len(tiers)):
+            return tiers[0].value
+        return f"device for {on_device} of {len(tiers)} families, host for the rest"
+
     def memory_report(self) -> MemoryReport:
+        trace = self.tracer.trace
         allocated = sum(c.nbytes for c in self.iter_chunks() if c.tier is not None)
         payload_bytes = 0
         for family in self.families:
@@ -616,5 +802,14 @@ class ChunkManager:
             evictions=self.stats.evictions,
             device_memory_limit=self.device_budget,
             host_memory_limit=self.host_budget,
-            optimizer_tier=self.optimizer_tier.value,
+            optimizer_tier=self._optimizer_placement_summary(),
+            placement=self.policy.name,
+            prefetches=self.stats.prefetches,
+            peak_non_model_bytes=trace.peak_non_model,
+            moment_non_model_bytes=[m.non_model_bytes for m in trace.moments],
+            moment_device_chunk_bytes=[self.moment_chunk_bytes.get(i, 0) for i in range(len(trace.moments))],
+            moment_labels=[
+                "step" if m.kind is MomentKind.STEP else f"{'fwd' if m.kind is MomentKind.FORWARD else 'bwd'}:{m.key}"
+                for m in trace.moments
+            ],
         )

@@ -19,9 +19,15 @@ __all__ = ["LossScaleConfig", "PStarConfig", "Placement", "parse_bytes"]
 class Placement(str, Enum):
     """How chunks are placed between the DEVICE and HOST tiers."""
 
+    AUTO = "auto"
+    """PatrickStar's policy: a warm-up iteration records non-model memory and chunk accesses per moment;
+    afterwards chunks use ``budget - non_model[t]`` at moment ``t``, the chunk used farthest in the future
+    is evicted first, the next moment's chunks are prefetched, and optimizer-state families that fit the
+    margin at the optimizer step run on the device."""
     STATIC = "static"
-    """Chunks may use the whole device budget; when it is full the least recently used ``HOLD*`` chunk is
-    evicted to HOST. Optimizer states stay on DEVICE only if all model data fits the budget."""
+    """ZeRO-Offload style baseline: chunks may use ``static_chunk_fraction`` of the device budget; when it
+    is full the least recently used ``HOLD*`` chunk is evicted to HOST. Optimizer states stay on DEVICE only
+    if all model data fits that share."""
 
 
 _UNITS = {
@@ -105,8 +111,9 @@ class PStarConfig:
     """Capacity of one chunk in elements, or "auto": the size that wastes the fewest bytes while two
     chunk groups still fit the device budget. A parameter larger than an explicit size gets a chunk of
     its own."""
-    placement: str = "static"
-    """Placement policy of chunks between DEVICE and HOST: "static" (least recently used eviction)."""
+    placement: str = "auto"
+    """Placement policy of chunks between DEVICE and HOST: "auto" (trace-driven, the default) or "static"
+    (a fixed share of the budget, least recently used eviction)."""
     device_memory_limit: int | str | None = None
     """Bytes of chunk data allowed on the device. None: unlimited on a simulated (CPU) device,
     ``device_memory_fraction`` of the accelerator's memory on a GPU."""
@@ -117,12 +124,26 @@ class PStarConfig:
     """Share of the accelerator's total memory used as the default device budget (0, 1]."""
     host_memory_fraction: float = 0.8
     """Share of host RAM used as the default host budget (0, 1]."""
+    static_chunk_fraction: float = 1.0
+    """``placement="static"``: share of the device budget chunks may use (the rest is left to activations)
+    (0, 1]."""
+    warmup_chunk_fraction: float = 0.25
+    """``placement="auto"``: share of the device budget chunks may use during the warm-up iteration, while
+    non-model memory is measured (0, 1]; never less than one module's chunks."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for ``16-mixed``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss_scale, Mapping):
+            known = set(LossScaleConfig.__dataclass_fields__)
+            unknown = sorted(set(self.loss_scale) - known)
+            if unknown:
+                raise ValueError(f"Unknown `loss_scale` option(s) {unknown}. HINT: the options are {sorted(known)}.")
             self.loss_scale = LossScaleConfig(**self.loss_scale)
+        if not isinstance(self.loss_scale, LossScaleConfig):
+            raise ValueError(
+                f"`loss_scale` must be a LossScaleConfig or a dict of its options, got {self.loss_scale!r}."
+            )
         if isinstance(self.chunk_size, str) and self.chunk_size.strip().lstrip("-").isdigit():
             self.chunk_size = int(self.chunk_size)
         if isinstance(self.chunk_size, bool) or not (
@@ -139,7 +160,12 @@ class PStarConfig:
             value = getattr(self, name)
             if value is not None:
                 parse_bytes(value, name=name)
-        for name in ("device_memory_fraction", "host_memory_fraction"):
+        for name in (
+            "device_memory_fraction",
+            "host_memory_fraction",
+            "static_chunk_fraction",
+            "warmup_chunk_fraction",
+        ):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
@@ -177,8 +203,14 @@ class PStarConfig:
         try:
             merged = OmegaConf.merge(schema, plain)
         except ConfigKeyError as err:
-            known = sorted(f for f in schema.keys())
-            raise ValueError(f"Unknown PatrickStar option: {err.msg}. HINT: the options are {known}.") from err
+            node = schema
+            parts = str(err.full_key).split(".")
+            for part in parts[:-1]:
+                node = node[part]
+            known = sorted(str(k) for k in node.keys())
+            raise ValueError(
+                f"Unknown PatrickStar option '{err.full_key}'. HINT: the options are {known}."
+            ) from err
         except ValidationError as err:
             raise ValueError(f"Invalid PatrickStar option: {err.msg}") from err
         obj = OmegaConf.to_object(merged)

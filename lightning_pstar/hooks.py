@@ -4,7 +4,8 @@
 - post-forward of M: slots go to ``HOLD_AFTER_FWD`` (``HOLD`` without autograd), chunks may be evicted;
   a multi-grad hook on M's outputs marks the start of M's backward;
 - pre-backward of M: chunks resident again (same storage: see the note in ``chunk.py``);
-- post-backward of M (a grad hook on M's inputs): frozen slots leave ``COMPUTE``;
+- post-backward of M (a grad hook on M's inputs): slots still in ``COMPUTE`` leave it, so the chunks of a
+  tied weight whose gradient is not final yet are not pinned for the rest of the backward;
 - gradient of p final (``register_post_accumulate_grad_hook``): the chunk manager stores it in the slot.
 """
 
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pstar.chunk_manager import ChunkManager, ParamRecord
+from lightning_pstar.memory_tracer import MomentKind
 from lightning_pstar.state import TensorState
 
 __all__ = ["ModelHooks"]
@@ -53,9 +55,9 @@ class ModelHooks:
         self._handles: list[Any] = []
 
     def install(self) -> None:
-        for module, records in self.manager.module_records.items():
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(records)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(records)))
+        for index, (module, records) in enumerate(self.manager.module_records.items()):
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index, records)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(index, records)))
         for record in self.manager.records:
             if record.trainable:
                 self._handles.append(record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record)))
@@ -66,23 +68,25 @@ class ModelHooks:
         self._handles.clear()
 
     # ---- factories (closures keep the per-module record list; nothing is stored on the module) --------
-    def _make_pre_forward(self, records: Sequence[ParamRecord]) -> Any:
+    def _make_pre_forward(self, index: int, records: Sequence[ParamRecord]) -> Any:
         manager = self.manager
-        frozen = [r for r in records if not r.trainable]
+        moment = (MomentKind.FORWARD, index)
 
         def pre_forward(module: nn.Module, args: Any) -> None:
             with torch.profiler.record_function("pstar::pre_forward"):
-                manager.access(records, TensorState.COMPUTE)
-            if frozen and torch.is_grad_enabled():
+                manager.access(records, TensorState.COMPUTE, moment if torch.is_grad_enabled() else None)
+            if torch.is_grad_enabled():
                 inputs = _grad_tensors(args)
                 if inputs:
-                    # fires once the module's backward has produced the gradient of its inputs
-                    self._register(inputs, lambda: manager.release(frozen, TensorState.HOLD))
+                    # fires once the module's backward has produced the gradient of its inputs: its
+                    # chunks may move again (a tied weight waits for its gradient elsewhere, unpinned)
+                    self._register(inputs, lambda: manager.post_backward(records))
 
         return pre_forward
 
-    def _make_post_forward(self, records: Sequence[ParamRecord]) -> Any:
+    def _make_post_forward(self, index: int, records: Sequence[ParamRecord]) -> Any:
         manager = self.manager
+        moment = (MomentKind.BACKWARD, index)
 
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
@@ -91,7 +95,7 @@ class ModelHooks:
 
                 def pre_backward() -> None:
                     with torch.profiler.record_function("pstar::pre_backward"):
-                        manager.access(records, TensorState.COMPUTE)
+                        manager.access(records, TensorState.COMPUTE, moment)
 
                 self._register(outputs, pre_backward)
             else:

@@ -125,6 +125,7 @@ class ChunkedOptimizer(Optimizer):
         self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         manager = self._manager
         policy = self.gradient_policy
+        manager.step_moment()
         families = [f for f in manager.families if f.trainable and f.has_grads()]
         with torch.profiler.record_function("pstar::optimizer_step"):
             coef = 1.0
@@ -183,9 +184,9 @@ class ChunkedOptimizer(Optimizer):
 
     def _step_family(self, family: ChunkFamily, coef: float) -> None:
         manager = self._manager
-        tier = manager.optimizer_tier
+        tier = manager.optimizer_tier_of(family)
         if tier is Tier.HOST:
-            family.param_chunk.move_to(Tier.HOST)  # the update runs where the optimizer states live
+            manager.move_param_chunk(family, Tier.HOST)  # the update runs where the optimizer states live
         else:
             manager.fetch(family, protect={family.family_id})
         grads = self._family_grads(family)
@@ -297,6 +298,13 @@ class ChunkedOptimizer(Optimizer):
                 assert buf is not None
                 buffers.slot_view(records[i].slot).copy_(buf)
                 self._momentum_started.add(records[i].index)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "PatrickStar lays out chunks and optimizer states at setup, so parameter groups cannot be added"
+            " during training (e.g. by a fine-tuning callback that unfreezes layers). HINT: put every"
+            " parameter in a group in `configure_optimizers` and set requires_grad before `fit`."
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's gradients (weights overwritten by gradients are restored from the masters)."""

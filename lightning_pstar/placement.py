@@ -2,24 +2,43 @@
 
 A policy is a small object the chunk manager consults; the manager performs the moves it decides. This
 keeps the mechanism (copies, storage identity, accounting) in one place and lets policies be swapped.
+
+- :class:`StaticPlacement` (ZeRO-Offload style): a fixed share of the device budget for chunks, decided
+  before training; least recently used chunk evicted first.
+- :class:`AutoPlacement` (PatrickStar): during warm-up chunks use a small share of the device; afterwards
+  the room for chunks at moment ``t`` is ``budget - non_model[t]`` from the warm-up trace, victims are
+  the chunks whose next use is farthest away (Belady), the next moment's chunks are prefetched, and
+  optimizer-state families that fit the margin at the optimizer step stay on the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from lightning_pstar.chunk import Chunk, ChunkKind
 from lightning_pstar.state import ChunkState, Tier
 
-__all__ = ["PlacementPolicy", "StaticPlacement", "make_policy"]
+if TYPE_CHECKING:
+    from lightning_pstar.memory_tracer import MemoryTracer
+
+__all__ = ["AutoPlacement", "PlacementPolicy", "StaticPlacement", "make_policy"]
+
+log = logging.getLogger(__name__)
 
 
 class PlacementPolicy(Protocol):
     """What the chunk manager asks a placement policy."""
 
+    name: str
+
     def optimizer_tier(self, *, model_data_bytes: int, device_budget: int | None) -> Tier:
-        """Where optimizer-side chunks (fp32 master, grads, moments) live for the whole run."""
+        """Where optimizer-side chunks (fp32 master, grads, moments) start."""
+        ...
+
+    def chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
+        """Bytes chunks may occupy on the device at the current moment (None: unlimited)."""
         ...
 
     def touch(self, chunk: Chunk, tick: int) -> None:
@@ -27,52 +46,125 @@ class PlacementPolicy(Protocol):
         ...
 
     def victims(self, candidates: Sequence[Chunk], needed_bytes: int) -> list[Chunk]:
-        """Chunks among ``candidates`` (resident on DEVICE, not in use) to evict to free ``needed_bytes``.
+        """Chunks among ``candidates`` (resident on DEVICE) to evict to free ``needed_bytes``.
 
         May return fewer bytes than needed when the candidates do not have them; the manager raises.
         """
         ...
 
+    def prefetch(self) -> tuple[int, ...]:
+        """Chunk families worth fetching now for the next moment (empty when unknown)."""
+        ...
+
+
+def _lru(candidates: Sequence[Chunk], needed_bytes: int, last_use: dict[int, int]) -> list[Chunk]:
+    movable = [c for c in candidates if c.state is ChunkState.HOLD and c.kind is ChunkKind.PARAM]
+    # oldest use first; ties (never used) by chunk id so the choice is deterministic
+    movable.sort(key=lambda c: (last_use.get(c.chunk_id, -1), c.chunk_id))
+    return _take(movable, needed_bytes)
+
+
+def _take(ordered: Sequence[Chunk], needed_bytes: int) -> list[Chunk]:
+    chosen: list[Chunk] = []
+    freed = 0
+    for chunk in ordered:
+        if freed >= needed_bytes:
+            break
+        chosen.append(chunk)
+        freed += chunk.nbytes
+    return chosen
+
 
 class StaticPlacement:
-    """Baseline policy: the whole device budget is for chunks; least recently used chunk evicted first.
+    """Baseline policy: ``chunk_fraction`` of the device budget is for chunks; LRU eviction.
 
-    Optimizer-side chunks stay on DEVICE only when all model data fits the device budget; otherwise they
+    Optimizer-side chunks stay on DEVICE only when all model data fits the chunks' share; otherwise they
     live on HOST for the whole run and the optimizer step runs there (ZeRO-Offload style).
     """
 
-    def __init__(self) -> None:
+    name = "static"
+
+    def __init__(self, chunk_fraction: float = 1.0) -> None:
+        self.chunk_fraction = chunk_fraction
         self._last_use: dict[int, int] = {}
 
     def optimizer_tier(self, *, model_data_bytes: int, device_budget: int | None) -> Tier:
-        if device_budget is None or model_data_bytes <= device_budget:
+        if device_budget is None or model_data_bytes <= device_budget * self.chunk_fraction:
             return Tier.DEVICE
         return Tier.HOST
+
+    def chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
+        if device_budget is None:
+            return None
+        return max(min_bytes, int(device_budget * self.chunk_fraction))
 
     def touch(self, chunk: Chunk, tick: int) -> None:
         self._last_use[chunk.chunk_id] = tick
 
     def victims(self, candidates: Sequence[Chunk], needed_bytes: int) -> list[Chunk]:
+        return _lru(candidates, needed_bytes, self._last_use)
+
+    def prefetch(self) -> tuple[int, ...]:
+        return ()
+
+
+class AutoPlacement:
+    """PatrickStar's trace-driven placement (see the module docstring)."""
+
+    name = "auto"
+
+    def __init__(self, tracer: MemoryTracer, warmup_fraction: float = 0.25) -> None:
+        self.tracer = tracer
+        self.warmup_fraction = warmup_fraction
+        self._last_use: dict[int, int] = {}
+
+    @property
+    def _planning(self) -> bool:
+        return self.tracer.warmed_up and self.tracer.matches
+
+    def optimizer_tier(self, *, model_data_bytes: int, device_budget: int | None) -> Tier:
+        # with a budget, optimizer states start on HOST (safe during warm-up); the hybrid plan after
+        # warm-up moves the families that fit the margin onto the device
+        return Tier.DEVICE if device_budget is None else Tier.HOST
+
+    def chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
+        if device_budget is None:
+            return None
+        tracer = self.tracer
+        if not tracer.warmed_up:
+            return max(min_bytes, int(device_budget * self.warmup_fraction))
+        if not tracer.matches or tracer.cursor < 0:
+            return max(min_bytes, device_budget - tracer.trace.peak_non_model)
+        return max(min_bytes, device_budget - tracer.trace.moments[tracer.cursor].non_model_bytes)
+
+    def touch(self, chunk: Chunk, tick: int) -> None:
+        self._last_use[chunk.chunk_id] = tick
+
+    def victims(self, candidates: Sequence[Chunk], needed_bytes: int) -> list[Chunk]:
+        if not self._planning:
+            return _lru(candidates, needed_bytes, self._last_use)
+        trace, cursor = self.tracer.trace, self.tracer.cursor
         movable = [c for c in candidates if c.state is ChunkState.HOLD and c.kind is ChunkKind.PARAM]
-        # oldest use first; ties (never used) by chunk id so the choice is deterministic
-        movable.sort(key=lambda c: (self._last_use.get(c.chunk_id, -1), c.chunk_id))
-        chosen: list[Chunk] = []
-        freed = 0
-        for chunk in movable:
-            if freed >= needed_bytes:
-                break
-            chosen.append(chunk)
-            freed += chunk.nbytes
-        return chosen
+        # Belady: farthest next use first; ties by chunk id (deterministic on every rank)
+        movable.sort(key=lambda c: (-trace.next_use(c.chunk_id, max(cursor, 0)), c.chunk_id))
+        return _take(movable, needed_bytes)
+
+    def prefetch(self) -> tuple[int, ...]:
+        if not self._planning:
+            return ()
+        moments = self.tracer.trace.moments
+        nxt = self.tracer.cursor + 1
+        if nxt >= len(moments):
+            nxt = 0
+        return moments[nxt].families
 
 
-def make_policy(name: str) -> PlacementPolicy:
+def make_policy(
+    name: str, tracer: MemoryTracer, *, static_chunk_fraction: float = 1.0, warmup_chunk_fraction: float = 0.25
+) -> PlacementPolicy:
     """The policy registered under ``name`` (validated by :class:`~lightning_pstar.config.PStarConfig`)."""
-    policies: dict[str, type[StaticPlacement]] = {"static": StaticPlacement}
-    if name not in policies:
-        raise ValueError(f"unknown placement policy {name!r}; accepted: {sorted(policies)}")
-    return policies[name]()
-
-
-def total_bytes(chunks: Iterable[Chunk]) -> int:
-    return sum(c.nbytes for c in chunks)
+    if name == "static":
+        return StaticPlacement(static_chunk_fraction)
+    if name == "auto":
+        return AutoPlacement(tracer, warmup_chunk_fraction)
+    raise ValueError(f"unknown placement policy {name!r}; accepted: ['auto', 'static']")

@@ -56,6 +56,8 @@ class PatrickStarStrategy(DDPStrategy):
         host_memory_limit: int | str | None = _D.host_memory_limit,
         device_memory_fraction: float = _D.device_memory_fraction,
         host_memory_fraction: float = _D.host_memory_fraction,
+        static_chunk_fraction: float = _D.static_chunk_fraction,
+        warmup_chunk_fraction: float = _D.warmup_chunk_fraction,
         loss_scale: LossScaleConfig | Mapping[str, Any] | None = None,
         config: PStarConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -75,6 +77,8 @@ class PatrickStarStrategy(DDPStrategy):
                 host_memory_limit=host_memory_limit,
                 device_memory_fraction=device_memory_fraction,
                 host_memory_fraction=host_memory_fraction,
+                static_chunk_fraction=static_chunk_fraction,
+                warmup_chunk_fraction=warmup_chunk_fraction,
                 loss_scale=LossScaleConfig(**loss_scale)
                 if isinstance(loss_scale, Mapping)
                 else (loss_scale or LossScaleConfig()),
@@ -156,6 +160,7 @@ class PatrickStarStrategy(DDPStrategy):
             precision=str(precision.precision),
             world_size=self.world_size,
             local_world_size=self.num_processes,
+            accumulates=trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1,
         )  # plans and validates; nothing has changed yet
         manager.materialise()
         self._manager = manager
@@ -199,7 +204,38 @@ class PatrickStarStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._manager is not None:
+            self._manager.begin_training_batch()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        manager = self._require_manager()
+        ptrs = [c.device_buffer.untyped_storage().data_ptr() for c in manager.iter_chunks()]
+        with manager.tracer.watch(ptrs):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._manager is not None:
+            self._manager.end_warmup_if_recording()
+        return result
+
+    def _leave_training(self) -> None:
+        if self._manager is not None:
+            self._manager.in_training = False
             self._manager.settle()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._leave_training()
+
+    @override
+    def on_test_start(self) -> None:
+        self._leave_training()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._leave_training()
 
     @override
     @contextmanager

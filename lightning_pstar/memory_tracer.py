@@ -1,0 +1,195 @@
+"""Warm-up trace: non-model memory and chunk accesses at every moment of one iteration.
+
+A *moment* is one point of the iteration: before a module's forward, before a module's backward, or the
+optimizer step. During the warm-up iteration the tracer records, per moment, which chunk families are
+accessed and the peak of non-model memory until the next moment. Later iterations plan from that trace
+(:class:`~lightning_pstar.placement.AutoPlacement`): the room for chunks at moment ``t`` is
+``budget - non_model[t]``.
+
+Non-model memory is measured with the CUDA allocator on a GPU (peak between moments, minus chunk bytes)
+and, on the simulated device, as the bytes of tensors autograd saves for backward
+(``torch.autograd.graph.saved_tensors_hooks``), excluding views of chunks, which are model data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+__all__ = ["Moment", "MomentKind", "MemoryTracer", "Trace"]
+
+log = logging.getLogger(__name__)
+
+
+class MomentKind(str, Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One recorded moment: what ran, which chunk families it accessed, the non-model peak until the next."""
+
+    kind: MomentKind
+    key: int  # module index for FORWARD/BACKWARD, 0 for STEP
+    families: tuple[int, ...]
+    non_model_bytes: int = 0
+
+
+@dataclass
+class Trace:
+    """The warm-up iteration, as a cyclic sequence of moments."""
+
+    moments: list[Moment] = field(default_factory=list)
+    _uses: dict[int, list[int]] = field(default_factory=dict)  # family -> sorted moment indices
+
+    def finish(self) -> None:
+        self._uses = {}
+        for index, moment in enumerate(self.moments):
+            for fid in moment.families:
+                self._uses.setdefault(fid, []).append(index)
+
+    def next_use(self, family_id: int, after: int) -> int:
+        """Moments from ``after`` until ``family_id`` is used again (the trace repeats); huge if never."""
+        uses = self._uses.get(family_id)
+        n = len(self.moments)
+        if not uses or n == 0:
+            return 1 << 30
+        i = bisect.bisect_right(uses, after)
+        nxt = uses[i] if i < len(uses) else uses[0] + n
+        return nxt - after
+
+    @property
+    def peak_non_model(self) -> int:
+        return max((m.non_model_bytes for m in self.moments), default=0)
+
+
+class _SavedToken:
+    """Held by autograd next to a saved tensor; its death means the saved bytes are free again."""
+
+    __slots__ = ("_nbytes", "_release")
+
+    def __init__(self, nbytes: int, release: Callable[[int], None]) -> None:
+        self._nbytes = nbytes
+        self._release = release
+
+    def __del__(self) -> None:
+        self._release(self._nbytes)
+
+
+class MemoryTracer:
+    """Records the warm-up trace; afterwards, follows the iteration along it."""
+
+    def __init__(self, device: torch.device, chunk_bytes_on_device: Callable[[], int]) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._chunk_bytes = chunk_bytes_on_device
+        self.trace = Trace()
+        self.recording = False
+        self.warmed_up = False
+        self.cursor = -1  # index of the current moment in the trace (after warm-up)
+        self.matches = True  # False once the execution stopped following the trace
+        self._live = 0  # simulated device: bytes of saved tensors alive now
+        self._peak = 0  # simulated device: peak of ``_live`` since the last moment
+        self._pending: tuple[MomentKind, int, tuple[int, ...]] | None = None
+        self._chunk_ptrs: set[int] = set()
+
+    # ---- saved-tensor accounting (simulated device) ------------------------------------------------------
+    def _release(self, nbytes: int) -> None:
+        self._live -= nbytes
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.device.type != self.device.type:
+            return tensor
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self._chunk_ptrs:
+            return tensor  # a view of a chunk: model data, already accounted
+        nbytes = storage.nbytes()
+        self._live += nbytes
+        self._peak = max(self._peak, self._live)
+        return (tensor, _SavedToken(nbytes, self._release))
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed[0] if isinstance(packed, tuple) else packed
+
+    @contextmanager
+    def watch(self, chunk_storage_ptrs: Sequence[int]) -> Generator[None, None, None]:
+        """Count saved tensors during a recorded training step (no-op outside recording or on CUDA)."""
+        if not self.recording or self.cuda:
+            yield
+            return
+        self._chunk_ptrs = {p for p in chunk_storage_ptrs if p}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _non_model_now_and_reset(self) -> int:
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) - self._chunk_bytes()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return max(0, peak)
+        peak = self._peak
+        self._peak = self._live
+        return peak
+
+    # ---- moments ------------------------------------------------------------------------------------------
+    def start_recording(self) -> None:
+        self.trace = Trace()
+        self.recording = True
+        self._pending = None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak = self._live
+
+    def moment(self, kind: MomentKind, key: int, families: Sequence[int]) -> None:
+        """Called before every moment. Records during warm-up; afterwards advances along the trace."""
+        if self.recording:
+            self._close_pending()
+            self._pending = (kind, key, tuple(families))
+            return
+        if not self.warmed_up or not self.matches:
+            return
+        if kind is MomentKind.STEP:
+            self.cursor = len(self.trace.moments) - 1
+            return
+        nxt = self.cursor + 1
+        moments = self.trace.moments
+        if nxt < len(moments) and moments[nxt].kind is kind and moments[nxt].key == key:
+            self.cursor = nxt
+            return
+        self.matches = False
+        log.warning(
+            "PatrickStar: the iteration no longer follows the warm-up trace (moment %d: %s of module %d);"
+            " placement falls back to least-recently-used eviction for the rest of the run.",
+            nxt,
+            kind.value,
+            key,
+        )
+
+    def _close_pending(self) -> None:
+        if self._pending is None:
+            return
+        kind, key, families = self._pending
+        self.trace.moments.append(Moment(kind, key, families, self._non_model_now_and_reset()))
+        self._pending = None
+
+    def stop_recording(self) -> None:
+        """End of warm-up (after the first optimizer step)."""
+        self._close_pending()
+        self.recording = False
+        self.warmed_up = True
+        self.trace.finish()
+        self.cursor = len(self.trace.moments) - 1  # the step: the next moment starts the next iteration
+
+    def start_iteration(self) -> None:
+        """A new micro-batch begins: the next forward moment is the trace's first."""
+        if self.warmed_up and self.matches:
+            self.cursor = -1

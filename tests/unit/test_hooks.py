@@ -1,0 +1,284 @@
+"""Unit tests of lightning_pstar.hooks: module and gradient hooks driving a ChunkManager, without a Trainer.
+
+Gradients read back from the chunks must equal those of the plain model, whatever the budget forces the
+manager to evict between forward and backward (the storage-identity note in chunk.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pstar.chunk import ChunkKind
+from lightning_pstar.chunk_manager import ChunkManager, ParamRecord
+from lightning_pstar.config import PStarConfig
+from lightning_pstar.hooks import ModelHooks
+from lightning_pstar.state import TensorState, Tier
+
+CPU = torch.device("cpu")
+LAYER_CAP = 80  # one Linear(8, 8) per chunk
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 8))
+
+
+class _Twice(nn.Module):
+    """One module called twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(torch.relu(self.first(x)))
+        return self.shared(torch.tanh(h))
+
+
+class _Tied(nn.Module):
+    """Embedding tied to the output projection (nanoGPT's wte / lm_head)."""
+
+    def __init__(self, depth: int = 1) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(depth)])
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(idx)))
+
+
+def _setup(
+    model: nn.Module,
+    *,
+    dtype: torch.dtype = torch.float32,
+    chunk_size: int = LAYER_CAP,
+    device_limit: int | None = None,
+) -> tuple[ChunkManager, ModelHooks]:
+    config = PStarConfig(chunk_size=chunk_size, placement="static", device_memory_limit=device_limit)
+    manager = ChunkManager(model, config=config, compute_dtype=dtype, device=CPU)
+    manager.materialise()
+    hooks = ModelHooks(manager)
+    hooks.install()
+    return manager, hooks
+
+
+def _chunk_grad(manager: ChunkManager, record: ParamRecord) -> torch.Tensor:
+    """The gradient of ``record`` as stored in the chunks (fp32)."""
+    family = record.family
+    if record.slot_holds_grad:
+        return family.param_chunk.slot_view(record.slot).float().clone()
+    assert record.grad_chunk_has_data, f"no gradient stored for {record.names}"
+    return family.chunks[ChunkKind.GRAD].slot_view(record.slot).clone()
+
+
+def _autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return (out.float() ** 2).mean()
+
+
+def _compare_grads(
+    make: Callable[[], nn.Module],
+    inputs: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    chunk_size: int = LAYER_CAP,
+    device_limit: int | None = None,
+) -> ChunkManager:
+    model = make()
+    # the reference of mixed precision (API_CONTRACT.md): parameters are compute-dtype copies of the masters,
+    # the forward runs under autocast
+    reference = copy.deepcopy(model).to(dtype)
+    with _autocast(dtype):
+        ref_out = reference(inputs)
+    _loss(ref_out).backward()
+
+    manager, _ = _setup(model, dtype=dtype, chunk_size=chunk_size, device_limit=device_limit)
+    with _autocast(dtype):
+        out = model(inputs)
+    assert torch.equal(out, ref_out)
+    _loss(out).backward()
+    manager.settle()
+
+    ref_params = dict(reference.named_parameters())
+    for record in manager.records:
+        if not record.trainable:
+            continue
+        expected = ref_params[record.names[0]].grad
+        assert expected is not None
+        assert record.slot.state is TensorState.HOLD_AFTER_BWD, record.names
+        assert torch.equal(_chunk_grad(manager, record), expected.float()), record.names
+        assert record.param.grad is None  # the chunk holds it; autograd's copy is freed
+    return manager
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_equal_plain_model(dtype: torch.dtype) -> None:
+    _compare_grads(_mlp, torch.randn(5, 8), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_equal_plain_model_under_eviction(dtype: torch.dtype) -> None:
+    """A two-chunk budget for four chunk families: every chunk is evicted between forward and backward."""
+    budget = 2 * LAYER_CAP * dtype.itemsize
+    manager = _compare_grads(_mlp, torch.randn(5, 8), dtype=dtype, device_limit=budget)
+    assert manager.stats.evictions >= 6
+    assert manager.stats.peak_device_bytes <= budget
+
+
+def test_module_called_twice() -> None:
+    manager = _compare_grads(_Twice, torch.randn(3, 8), chunk_size=LAYER_CAP)
+    assert len(manager.families) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_weights(dtype: torch.dtype) -> None:
+    idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    manager = _compare_grads(_Tied, idx, dtype=dtype, chunk_size=96, device_limit=None)
+    tied = [r for r in manager.records if len(r.names) == 2]
+    assert len(tied) == 1
+
+
+def test_tied_weights_under_eviction() -> None:
+    # chunks: emb/head weight | body.0 | body.1; the budget holds two of them
+    idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    manager = _compare_grads(lambda: _Tied(depth=2), idx, chunk_size=80, device_limit=2 * 80 * 4)
+    assert len(manager.families) == 3
+    assert manager.stats.evictions > 0
+
+
+def test_budget_accepted_by_the_planner_suffices_with_tied_weights() -> None:
+    """The planner accepts a budget of one chunk because no single module needs more. But the tied weight stays
+    in COMPUTE from the head's backward until the embedding's backward, so the body's chunk must fit next to
+    it. A budget the planner accepts must carry the iteration (or be rejected at setup with the numbers)."""
+    idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    model = _Tied(depth=1)
+    reference = copy.deepcopy(model)
+    _loss(reference(idx)).backward()
+    manager, _ = _setup(model, chunk_size=80, device_limit=80 * 4)  # accepted: no MemoryBudgetError here
+    _loss(model(idx)).backward()  # must not fail half-way through backward
+    manager.settle()
+    for record in manager.records:
+        assert torch.equal(_chunk_grad(manager, record), dict(reference.named_parameters())[record.names[0]].grad)
+
+
+def test_frozen_layers_get_no_gradient_and_end_in_hold() -> None:
+    def make() -> nn.Module:
+        model = _mlp()
+        for i in (0, 2):  # first layer (input without grad) and a middle layer
+            for p in model[i].parameters():
+                p.requires_grad_(False)
+        return model
+
+    manager = _compare_grads(make, torch.randn(4, 8))
+    frozen = [r for r in manager.records if not r.trainable]
+    assert len(frozen) == 4
+    assert all(r.slot.state is TensorState.HOLD for r in frozen)
+    assert not any(r.grad_chunk_has_data or r.slot_holds_grad for r in frozen)
+    assert all(not f.trainable for f in {id(r.family): r.family for r in frozen}.values())
+
+
+def test_states_after_forward_and_backward() -> None:
+    model = _mlp()
+    for p in model[2].parameters():
+        p.requires_grad_(False)
+    manager, _ = _setup(model)
+    out = model(torch.randn(2, 8))
+    trainable = [r for r in manager.records if r.trainable]
+    frozen = [r for r in manager.records if not r.trainable]
+    assert all(r.slot.state is TensorState.HOLD_AFTER_FWD for r in manager.records)
+    # after forward no chunk is pinned: all may be evicted
+    assert all(f.param_chunk.state.value == "hold" for f in manager.families)
+    _loss(out).backward()
+    assert all(r.slot.state is TensorState.HOLD_AFTER_BWD for r in trainable)
+    assert all(r.slot.state is TensorState.HOLD for r in frozen)  # released after its module's backward
+    manager.settle()
+    assert all(r.slot.state is TensorState.HOLD_AFTER_BWD for r in trainable)
+
+
+def test_slots_are_compute_inside_forward() -> None:
+    model = _mlp()
+    manager, _ = _setup(model, device_limit=2 * LAYER_CAP * 4)
+    seen: list[tuple[TensorState, ...]] = []
+
+    def spy(module: nn.Module, args: object) -> None:
+        seen.append(tuple(r.slot.state for r in manager.module_records[module]))
+        assert all(r.family.param_chunk.tier is Tier.DEVICE for r in manager.module_records[module])
+
+    # registered after install: runs after the engine's pre-forward hook
+    handles = [model[i].register_forward_pre_hook(spy) for i in (0, 2, 4, 5)]
+    model(torch.randn(2, 8))
+    for h in handles:
+        h.remove()
+    assert seen == [(TensorState.COMPUTE, TensorState.COMPUTE)] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eval_forward_leaves_slots_hold(dtype: torch.dtype) -> None:
+    model = _mlp()
+    reference = copy.deepcopy(model).to(dtype)
+    manager, _ = _setup(model, dtype=dtype, device_limit=2 * LAYER_CAP * dtype.itemsize)
+    x = torch.randn(3, 8)
+    with torch.no_grad(), _autocast(dtype):
+        out = model(x)
+        expected = reference(x)
+    assert torch.equal(out, expected)
+    assert all(r.slot.state is TensorState.HOLD for r in manager.records)
+    assert not any(r.grad_chunk_has_data or r.slot_holds_grad for r in manager.records)
+
+
+def test_forward_with_gradient_readable_as_weight_raises() -> None:
+    """Running the model between backward and the optimizer step would read gradients as weights."""
+    from lightning_pstar.state import InvalidTransitionError
+
+    model = _mlp()
+    manager, _ = _setup(model, dtype=torch.bfloat16)
+    with _autocast(torch.bfloat16):
+        _loss(model(torch.randn(2, 8))).backward()
+    manager.settle()
+    with pytest.raises(InvalidTransitionError, match="HINT"), torch.no_grad():
+        model(torch.randn(2, 8))
+
+
+def test_second_iteration_after_discard() -> None:
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    manager, _ = _setup(model)
+    for _ in range(2):
+        x = torch.randn(2, 8)
+        reference.zero_grad()
+        _loss(reference(x)).backward()
+        manager.settle()
+        _loss(model(x)).backward()
+        manager.settle()
+        for record in manager.records:
+            assert torch.equal(_chunk_grad(manager, record), dict(reference.named_parameters())[record.names[0]].grad)
+        manager.discard_grads()
+
+
+def test_remove_hooks_cleanly() -> None:
+    model = _mlp()
+    manager, hooks = _setup(model)
+    assert all(len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1 for m in manager.module_records)
+    hooks.remove()
+    for module in model.modules():
+        assert len(module._forward_pre_hooks) == 0
+        assert len(module._forward_hooks) == 0
+    for p in model.parameters():
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)
+    hooks.remove()  # idempotent
+    _loss(model(torch.randn(2, 8))).backward()
+    # the engine saw nothing: states untouched, gradients stay where autograd puts them
+    assert all(r.slot.state is TensorState.HOLD for r in manager.records)
+    assert not any(r.grad_chunk_has_data or r.slot_holds_grad for r in manager.records)
+    assert all(p.grad is not None for p in model.parameters())

@@ -1,0 +1,220 @@
+"""Unit tests of lightning_pstar.layout: packing and the chunk-size search (pure, no memory)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_pstar.layout import ALIGN, ParamSpec, plan_layout, search_chunk_size
+
+
+def _p(name: str, numel: int, trainable: bool = True) -> ParamSpec:
+    return ParamSpec(name=name, numel=numel, trainable=trainable)
+
+
+def _check_invariants(params: list[ParamSpec], layout) -> None:  # type: ignore[no-untyped-def]
+    """Every parameter lies whole inside one chunk at an aligned offset; slots never overlap."""
+    assert len(layout.param_chunk) == len(layout.param_offset) == len(params)
+    for index, spec in enumerate(params):
+        plan = layout.chunks[layout.param_chunk[index]]
+        offset = layout.param_offset[index]
+        assert offset % ALIGN == 0
+        assert 0 <= offset and offset + spec.numel <= plan.capacity
+        assert index in plan.members
+        assert plan.offsets[plan.members.index(index)] == offset
+        assert plan.trainable == spec.trainable
+    for plan in layout.chunks:
+        spans = sorted((o, o + params[m].numel) for m, o in zip(plan.members, plan.offsets, strict=True))
+        for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+            assert e0 <= s1
+        assert plan.members == sorted(plan.members)  # module order within a chunk
+    assert [c.chunk_id for c in layout.chunks] == list(range(len(layout.chunks)))
+    assert layout.payload_elements == sum(p.numel for p in params)
+
+
+def test_module_order_packing() -> None:
+    params = [_p("a", 10), _p("b", 20), _p("c", 30), _p("d", 5)]
+    layout = plan_layout(params, 64)
+    _check_invariants(params, layout)
+    # a@0, b@16 (aligned), c does not fit after b (36 -> 40+30 > 64) -> chunk 1 @0, d@32
+    assert layout.param_chunk == [0, 0, 1, 1]
+    assert layout.param_offset == [0, 16, 0, 32]
+    assert [c.capacity for c in layout.chunks] == [64, 64]
+    assert [c.used for c in layout.chunks] == [36, 37]
+    assert layout.chunk_size == 64
+
+
+def test_exact_fit_fills_chunk() -> None:
+    params = [_p("a", 32), _p("b", 32), _p("c", 1)]
+    layout = plan_layout(params, 64)
+    assert layout.param_chunk == [0, 0, 1]
+    assert layout.param_offset == [0, 32, 0]
+    assert layout.chunks[0].used == 64
+
+
+def test_offsets_are_aligned() -> None:
+    params = [_p(f"p{i}", n) for i, n in enumerate([1, 3, 7, 9, 15, 17, 2])]
+    layout = plan_layout(params, 40)
+    _check_invariants(params, layout)
+    assert all(o % ALIGN == 0 for o in layout.param_offset)
+    assert layout.param_offset[:3] == [0, 8, 16]
+
+
+def test_oversized_parameter_gets_own_aligned_chunk() -> None:
+    params = [_p("small", 10), _p("big", 101), _p("after", 4)]
+    layout = plan_layout(params, 64)
+    _check_invariants(params, layout)
+    big = layout.chunks[layout.param_chunk[1]]
+    assert big.members == [1]
+    assert big.capacity == 104  # aligned up to a multiple of ALIGN
+    assert big.capacity % ALIGN == 0
+    assert layout.param_chunk[0] != layout.param_chunk[1] != layout.param_chunk[2]
+    # the other chunks keep the requested size
+    assert {c.capacity for c in layout.chunks if c is not big} == {64}
+
+
+def test_trainable_and_frozen_in_separate_chunks() -> None:
+    params = [_p("t0", 8), _p("f0", 8, False), _p("t1", 8), _p("f1", 8, False)]
+    layout = plan_layout(params, 64)
+    _check_invariants(params, layout)
+    assert layout.param_chunk[0] == layout.param_chunk[2]
+    assert layout.param_chunk[1] == layout.param_chunk[3]
+    assert layout.param_chunk[0] != layout.param_chunk[1]
+    trainable = layout.chunks[layout.param_chunk[0]]
+    frozen = layout.chunks[layout.param_chunk[1]]
+    assert trainable.trainable and not frozen.trainable
+    assert trainable.members == [0, 2] and frozen.members == [1, 3]
+    assert frozen.offsets == [0, 8]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_padding_to_world_size_multiple(world_size: int) -> None:
+    params = [_p(f"p{i}", 30) for i in range(5)]  # two per chunk of 64 -> 3 chunks
+    layout = plan_layout(params, 64, world_size=world_size)
+    _check_invariants(params, layout)
+    assert len(layout.chunks) % world_size == 0
+    assert len(layout.chunks) == -(-3 // world_size) * world_size
+    for pad in layout.chunks[3:]:
+        assert pad.members == [] and pad.used == 0 and pad.capacity == 64
+
+
+def test_utilisation_formula() -> None:
+    params = [_p("a", 10), _p("b", 20), _p("c", 30)]
+    layout = plan_layout(params, 64)
+    assert layout.capacity_elements == sum(c.capacity for c in layout.chunks) == 128
+    assert layout.utilisation == pytest.approx(60 / 128)
+    padded = plan_layout(params, 64, world_size=4)
+    assert padded.utilisation == pytest.approx(60 / 256)
+
+
+def test_family_bytes() -> None:
+    params = [_p("t", 10), _p("f", 10, False)]
+    layout = plan_layout(params, 16)
+    assert layout.family_bytes(trainable_bytes_per_elem=14, frozen_bytes_per_elem=2) == 16 * 14 + 16 * 2
+
+
+@pytest.mark.parametrize("size", [0, -8])
+def test_plan_rejects_bad_chunk_size(size: int) -> None:
+    with pytest.raises(ValueError, match="chunk_size must be a positive number of elements"):
+        plan_layout([_p("a", 1)], size)
+
+
+def test_plan_rejects_bad_world_size() -> None:
+    with pytest.raises(ValueError, match="world_size must be positive"):
+        plan_layout([_p("a", 1)], 8, world_size=0)
+
+
+def test_plan_rejects_empty_parameter() -> None:
+    with pytest.raises(ValueError, match="parameter 'empty' has no elements"):
+        plan_layout([_p("a", 1), _p("empty", 0)], 8)
+
+
+# ---- search_chunk_size ------------------------------------------------------------------------------------
+def _mixed_params() -> list[ParamSpec]:
+    rng = random.Random(1)
+    return [_p(f"p{i}", rng.randint(1, 300), trainable=i % 7 != 3) for i in range(40)]
+
+
+def test_search_needs_parameters() -> None:
+    with pytest.raises(ValueError, match="no parameters"):
+        search_chunk_size([], device_budget_bytes=None, compute_itemsize=2)
+
+
+def test_search_candidates_at_least_largest_param() -> None:
+    params = _mixed_params()
+    layout = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2)
+    _check_invariants(params, layout)
+    largest = max(p.numel for p in params)
+    assert layout.chunk_size >= largest
+    # nothing is oversized: every chunk has the chosen size
+    assert {c.capacity for c in layout.chunks} == {layout.chunk_size}
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@pytest.mark.parametrize("budget", [None, 3200])
+def test_search_picks_minimum_capacity_among_candidates(budget: int | None) -> None:
+    params = _mixed_params()
+    best = search_chunk_size(params, device_budget_bytes=budget, compute_itemsize=2)
+    largest = _aligned(max(p.numel for p in params))
+    upper = max(largest, _aligned(-(-sum(_aligned(p.numel) for p in params) // 4)))  # >= 4 chunk groups
+    if budget is not None:
+        upper = min(upper, budget // (2 * 2) // ALIGN * ALIGN)
+    assert upper - largest < 512 * ALIGN  # small problem: the search tries every aligned size
+    candidates = range(largest, upper + 1, ALIGN)
+    capacities = {size: plan_layout(params, size).capacity_elements for size in candidates}
+    minimum = min(capacities.values())
+    assert best.capacity_elements == minimum
+    # ties go to the larger chunk
+    assert best.chunk_size == max(size for size, cap in capacities.items() if cap == minimum)
+    assert largest <= best.chunk_size <= upper
+
+
+def test_search_finds_a_perfect_packing() -> None:
+    # eight params of 64 elements: chunk sizes 64, 128 and 256 (upper bound: total/4 = 128) waste nothing;
+    # ties go to the larger chunk
+    params = [_p(f"p{i}", 64) for i in range(8)]
+    layout = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2)
+    assert layout.utilisation == 1.0
+    assert layout.chunk_size == 128
+    assert len(layout.chunks) == 4
+
+
+def test_search_is_better_than_naive_sizes() -> None:
+    params = [_p("a", 100), _p("b", 60), _p("c", 40), _p("d", 100), _p("e", 60), _p("f", 40)]
+    best = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2)
+    for size in (104, 120, 160):
+        assert best.capacity_elements <= plan_layout(params, size).capacity_elements
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_search_respects_device_budget(itemsize: int, world_size: int) -> None:
+    params = [_p(f"p{i}", 50) for i in range(200)]
+    budget = 4000 * itemsize
+    layout = search_chunk_size(params, device_budget_bytes=budget, compute_itemsize=itemsize, world_size=world_size)
+    _check_invariants(params, layout)
+    # two chunk groups (2 * world_size chunks) fit the device budget
+    assert 2 * world_size * layout.chunk_size * itemsize <= budget
+    unconstrained = search_chunk_size(
+        params, device_budget_bytes=None, compute_itemsize=itemsize, world_size=world_size
+    )
+    assert unconstrained.chunk_size > layout.chunk_size
+    assert len(layout.chunks) % world_size == 0
+
+
+def test_search_with_too_small_budget_falls_back_to_largest_param() -> None:
+    params = [_p("a", 1000), _p("b", 10)]
+    layout = search_chunk_size(params, device_budget_bytes=100, compute_itemsize=2)
+    assert layout.chunk_size == 1000
+
+
+def test_search_is_deterministic() -> None:
+    params = _mixed_params()
+    a = search_chunk_size(params, device_budget_bytes=50_000, compute_itemsize=2)
+    b = search_chunk_size(list(params), device_budget_bytes=50_000, compute_itemsize=2)
+    assert a == b
+    assert a.chunk_size == b.chunk_size and a.param_chunk == b.param_chunk and a.param_offset == b.param_offset
