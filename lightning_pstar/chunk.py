@@ -122,6 +122,7 @@ class Chunk:
         self._device_buffer.untyped_storage().resize_(0)
         self._host_buffer = None
         self._tier = None
+        self._pending: torch.cuda.Event | None = None  # an asynchronous host-to-device copy in flight
 
     # ---- properties -------------------------------------------------------------------------------------
     @property
@@ -148,7 +149,13 @@ class Chunk:
 
     @property
     def data(self) -> torch.Tensor:
-        """The 1-D buffer on the chunk's current tier."""
+        """The 1-D buffer on the chunk's current tier (waits for an asynchronous fetch in flight)."""
+        self.wait()
+        return self.buffer
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The 1-D buffer on the chunk's current tier, without waiting: for taking views only."""
         if self._tier is Tier.DEVICE:
             return self._device_buffer
         if self._tier is Tier.HOST:
@@ -168,18 +175,30 @@ class Chunk:
         self._tier = tier
         self._stats.allocated(tier, self.nbytes)
 
-    def move_to(self, tier: Tier) -> None:
-        """Copy the bytes to ``tier`` and free the source storage in place. A no-op if already there."""
+    def move_to(self, tier: Tier, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy the bytes to ``tier`` and free the source storage in place. A no-op if already there.
+
+        With ``stream`` (CUDA, HOST -> DEVICE only) the copy runs asynchronously on that stream from the
+        pinned host buffer; :meth:`wait` must be called before the device bytes are used, and frees the
+        host storage once the copy is done.
+        """
+        self.wait()
         if self._tier is tier:
             return
         if self._tier is None:
             raise RuntimeError(f"chunk {self.chunk_id} is released; allocate it before moving it")
         if self.state is ChunkState.COMPUTE:
             raise RuntimeError(f"chunk {self.chunk_id} is in use by a module (COMPUTE) and cannot move")
-        source = self.data
+        source = self.buffer
         target = self._storage_for(tier, allocate=True)
-        target.copy_(source, non_blocking=False)
-        source.untyped_storage().resize_(0)
+        if stream is not None and tier is Tier.DEVICE and target.is_cuda:
+            with torch.cuda.stream(stream):
+                target.copy_(source, non_blocking=True)
+                self._pending = torch.cuda.Event()
+                self._pending.record(stream)
+        else:
+            target.copy_(source, non_blocking=False)
+            source.untyped_storage().resize_(0)
         self._stats.freed(self._tier, self.nbytes)
         self._stats.allocated(tier, self.nbytes)
         if tier is Tier.DEVICE:
@@ -187,6 +206,16 @@ class Chunk:
         else:
             self._stats.d2h_bytes += self.nbytes
         self._tier = tier
+
+    def wait(self) -> None:
+        """Make the current CUDA stream wait for an asynchronous fetch, then free its host source."""
+        if self._pending is None:
+            return
+        torch.cuda.current_stream(self._device).wait_event(self._pending)
+        self._pending.synchronize()  # the pinned source may be freed only after the copy has read it
+        self._pending = None
+        assert self._host_buffer is not None
+        self._host_buffer.untyped_storage().resize_(0)
 
     def release(self) -> None:
         """Free the storage on every tier (the chunk's slots are no longer needed)."""

@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -181,6 +181,7 @@ class ChunkManager:
         self.accumulating = False  # True while Lightning accumulates gradients (non-final micro-batch)
         self._tick = 0
         self._materialised = False
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches copy on this stream
 
         self.device_budget = self._default_device_budget(config)
         host_limit = config.host_limit_bytes
@@ -188,7 +189,8 @@ class ChunkManager:
             host_limit = int(host_ram_bytes() * config.host_memory_fraction / max(1, local_world_size))
         self.host_budget: int = host_limit
 
-        self._named = self._collect_parameters(module)
+        self.host_params = self._host_embeddings(module) if config.cpu_embedding else {}
+        self._named = self._collect_parameters(module, exclude={id(p) for p in self.host_params.values()})
         specs = [ParamSpec(name=names[0], numel=p.numel(), trainable=p.requires_grad) for p, names in self._named]
         if not specs:
             raise ValueError("The model has no parameters; there is nothing for PatrickStar to manage.")
@@ -232,7 +234,7 @@ class ChunkManager:
         self._by_id: dict[int, ParamRecord] = {id(r.param): r for r in self.records}
         self.module_records: dict[nn.Module, list[ParamRecord]] = {}
         for mod in module.modules():
-            direct = [self._by_id[id(p)] for p in mod.parameters(recurse=False)]
+            direct = [self._by_id[id(p)] for p in mod.parameters(recurse=False) if id(p) in self._by_id]
             if direct:
                 self.module_records[mod] = direct
         self.optimizer_tier = self.policy.optimizer_tier(
@@ -248,9 +250,41 @@ class ChunkManager:
         return int(total * config.device_memory_fraction)
 
     @staticmethod
-    def _collect_parameters(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
+    def _host_embeddings(module: nn.Module) -> dict[str, nn.Parameter]:
+        """``cpu_embedding``: embedding weights that stay fp32 on HOST, outside the chunks, by name.
+
+        A weight shared with another module (a tied output head) stays in the chunks: the head computes on
+        the device with it. Skipping it is logged, never silent.
+        """
+        uses: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            uses.setdefault(id(param), []).append(name)
+        out: dict[str, nn.Parameter] = {}
+        for name, mod in module.named_modules():
+            if isinstance(mod, nn.Embedding):
+                names = uses[id(mod.weight)]
+                if len(names) > 1:
+                    log.warning(
+                        "cpu_embedding: '%s' is shared with %s and stays in the chunks (a tied weight is used on"
+                        " the device too).",
+                        names[0],
+                        names[1:],
+                    )
+                    continue
+                if mod.weight.is_meta:
+                    raise ValueError(
+                        f"cpu_embedding: embedding '{name}' was built on the meta device. HINT: build embeddings"
+                        " in `__init__`, or set cpu_embedding=False."
+                    )
+                out[names[0]] = cast(nn.Parameter, mod.weight)
+        return out
+
+    @staticmethod
+    def _collect_parameters(module: nn.Module, exclude: set[int]) -> list[tuple[nn.Parameter, list[str]]]:
         seen: dict[int, tuple[nn.Parameter, list[str]]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in exclude:
+                continue
             if id(param) in seen:
                 seen[id(param)][1].append(name)
                 continue
@@ -281,7 +315,7 @@ class ChunkManager:
 
         def visit(mod: nn.Module, name: str, inherited: frozenset[int]) -> None:
             nonlocal worst, worst_name
-            own = {self.layout.param_chunk[by_id[id(p)]] for p in mod.parameters(recurse=False)}
+            own = {self.layout.param_chunk[by_id[id(p)]] for p in mod.parameters(recurse=False) if id(p) in by_id}
             chunks = inherited | own
             need = sum(self.layout.chunks[c].capacity * itemsize for c in chunks)
             if need > worst:
@@ -327,6 +361,9 @@ class ChunkManager:
                     " `reset_parameters()` to initialise its parameters and buffers. HINT: define"
                     " reset_parameters() on it or build the model in `__init__` instead of `configure_model`."
                 )
+        for param in self.host_params.values():
+            if param.device.type != "cpu" or param.dtype != torch.float32:
+                param.data = param.data.to("cpu", torch.float32)
         for family in self.families:
             self._allocate_family(family)
         # real parameters: copy their values; meta ones: initialise module by module
@@ -431,6 +468,10 @@ class ChunkManager:
         record.param = new
         self._by_id[id(new)] = record
 
+    def is_host_param(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` lives on HOST outside the chunks (``cpu_embedding``)."""
+        return any(param is p for p in self.host_params.values())
+
     def record_of(self, param: nn.Parameter) -> ParamRecord:
         """The side-table entry of ``param``."""
         record = self._by_id.get(id(param))
@@ -445,18 +486,26 @@ class ChunkManager:
         chunk only when the chunk moves, which never happens while a module computes with it.
         """
         chunk = record.family.param_chunk
-        record.param.data = chunk.data[record.slot.offset : record.slot.offset + record.slot.numel].view(
+        record.param.data = chunk.buffer[record.slot.offset : record.slot.offset + record.slot.numel].view(
             record.slot.shape
         )
 
-    def move_param_chunk(self, family: ChunkFamily, tier: Tier) -> None:
-        """Move ``family``'s param chunk to ``tier`` and re-point its parameters there."""
+    def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
+        """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.
+
+        ``asynchronous`` (a prefetch on CUDA) copies on a side stream; the chunk waits for it on access.
+        """
         chunk = family.param_chunk
         if chunk.tier is tier:
             return
         if tier is Tier.HOST:
             self._check_host_room(chunk.nbytes)
-        chunk.move_to(tier)
+        stream = None
+        if asynchronous and self.device.type == "cuda":
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            stream = self._copy_stream
+        chunk.move_to(tier, stream=stream)
         if self._materialised:  # during materialisation parameters are pointed once at the end
             for record in family.records:
                 self._point_at_chunk(record)
@@ -504,6 +553,7 @@ class ChunkManager:
         self._tick += 1
         self.policy.touch(chunk, self._tick)
         if chunk.tier is Tier.DEVICE:
+            chunk.wait()  # a prefetch may still be in flight
             return
         self._ensure_device_room(chunk.nbytes, protect=protect | {family.family_id})
         self.move_param_chunk(family, Tier.DEVICE)
@@ -543,7 +593,7 @@ class ChunkManager:
                 return
             if chunk.tier is Tier.HOST:
                 with torch.profiler.record_function("pstar::prefetch"):
-                    self.move_param_chunk(self.families[fid], Tier.DEVICE)
+                    self.move_param_chunk(self.families[fid], Tier.DEVICE, asynchronous=True)
                 self.stats.prefetches += 1
 
     # ---- warm-up ---------------------------------------------------------------------------------------
@@ -730,11 +780,12 @@ class ChunkManager:
                     f" {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model configuration."
                 )
             values.append((record, value))
-        buffers = dict(self.module.named_buffers())
+        # buffers and host-resident parameters (cpu_embedding) are loaded as they are
+        buffers: dict[str, torch.Tensor] = {**dict(self.module.named_buffers()), **self.host_params}
         for key, value in state_dict.items():
             if key in buffers and key not in param_names and tuple(value.shape) != tuple(buffers[key].shape):
                 raise ValueError(
-                    f"state_dict['{key}'] has shape {tuple(value.shape)}, the model's buffer has"
+                    f"state_dict['{key}'] has shape {tuple(value.shape)}, the model's tensor has"
                     f" {tuple(buffers[key].shape)}. HINT: the checkpoint belongs to another model configuration."
                 )
         if strict:

@@ -130,6 +130,10 @@ class PStarConfig:
     warmup_chunk_fraction: float = 0.25
     """``placement="auto"``: share of the device budget chunks may use during the warm-up iteration, while
     non-model memory is measured (0, 1]; never less than one module's chunks."""
+    cpu_embedding: bool = False
+    """Keep ``nn.Embedding`` weights fp32 on the host, outside the chunks: the lookup runs on the host and
+    only its output moves to the device. Frees the largest tensor from setting the chunk size. Embeddings
+    tied to another module (an output head) stay in the chunks."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for ``16-mixed``."""
 
@@ -208,9 +212,7 @@ class PStarConfig:
             for part in parts[:-1]:
                 node = node[part]
             known = sorted(str(k) for k in node.keys())
-            raise ValueError(
-                f"Unknown PatrickStar option '{err.full_key}'. HINT: the options are {known}."
-            ) from err
+            raise ValueError(f"Unknown PatrickStar option '{err.full_key}'. HINT: the options are {known}.") from err
         except ValidationError as err:
             raise ValueError(f"Invalid PatrickStar option: {err.msg}") from err
         obj = OmegaConf.to_object(merged)

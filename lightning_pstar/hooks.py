@@ -61,6 +61,20 @@ class ModelHooks:
         for record in self.manager.records:
             if record.trainable:
                 self._handles.append(record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record)))
+        host = {id(p) for p in self.manager.host_params.values()}
+        for module in self.manager.module.modules():
+            if isinstance(module, nn.Embedding) and id(module.weight) in host:
+                self._handles.append(module.register_forward_pre_hook(self._host_lookup_input))
+                self._handles.append(module.register_forward_hook(self._host_lookup_output))
+
+    # ---- cpu_embedding: the lookup runs on the host, only its output moves ------------------------------
+    @staticmethod
+    def _host_lookup_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(a.to("cpu") if isinstance(a, torch.Tensor) else a for a in args)
+
+    def _host_lookup_output(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        manager = self.manager
+        return output.to(device=manager.device, dtype=manager.compute_dtype)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -79,8 +79,13 @@ class ChunkedOptimizer(Optimizer):
         self._group_of: dict[int, int] = {}  # record index -> param group index
         self._steps: dict[int, torch.Tensor] = {}  # record index -> step count (float32 scalar, on its tier)
         self._momentum_started: set[int] = set()  # SGD: records whose momentum buffer holds a value
+        self._host_group: dict[int, int] = {}  # id of a host-resident parameter (cpu_embedding) -> group
+        self._host_state: dict[int, dict[str, torch.Tensor]] = {}  # its optimizer state, torch's names
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
+                if manager.is_host_param(p):
+                    self._host_group[id(p)] = gi
+                    continue
                 record = manager.record_of(p)
                 if record.trainable:
                     self._group_of[record.index] = gi
@@ -105,6 +110,8 @@ class ChunkedOptimizer(Optimizer):
                     gi,
                 )
             for p in group["params"]:
+                if manager.is_host_param(p):
+                    continue
                 try:
                     manager.record_of(p)
                 except KeyError:
@@ -130,9 +137,14 @@ class ChunkedOptimizer(Optimizer):
         with torch.profiler.record_function("pstar::optimizer_step"):
             coef = 1.0
             self.last_step = StepResult()
+            host_grads = self._host_grads()
             if policy.check_finite or policy.clip_norm is not None:
                 norms: list[torch.Tensor] = []
                 finite = True
+                for grads in [list(host_grads.values())] if host_grads else []:
+                    norms.extend(torch._foreach_norm(grads, 2.0))
+                    if policy.check_finite:
+                        finite = all(bool(torch.isfinite(g).all()) for g in grads)
                 for family in families:
                     grads = list(self._family_grads(family).values())
                     norms.extend(torch._foreach_norm(grads, 2.0))
@@ -140,7 +152,7 @@ class ChunkedOptimizer(Optimizer):
                         finite = all(bool(torch.isfinite(g).all()) for g in grads)
                 if not finite:
                     self.last_step = StepResult(skipped=True)
-                    manager.discard_grads()
+                    self.zero_grad()
                     return loss
                 if policy.clip_norm is not None and norms:
                     total = torch.linalg.vector_norm(torch.stack([n.to("cpu") for n in norms]), 2.0)
@@ -150,8 +162,81 @@ class ChunkedOptimizer(Optimizer):
                         coef = float("nan")  # as torch's clip_grad_norm_ (error_if_nonfinite=False) does
             for family in families:
                 self._step_family(family, coef)
-            manager.discard_grads()
+            self._step_host_params(host_grads, coef)
+            self.zero_grad()
         return loss
+
+    def _host_grads(self) -> dict[int, torch.Tensor]:
+        """Unscaled fp32 gradients of host-resident parameters (cpu_embedding), keyed by parameter id."""
+        out: dict[int, torch.Tensor] = {}
+        inv_scale = self.gradient_policy.inv_scale
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in self._host_group and p.grad is not None:
+                    g = p.grad.float()
+                    out[id(p)] = g.mul_(inv_scale) if g is not p.grad else g.mul(inv_scale)
+        return out
+
+    def _step_host_params(self, grads: dict[int, torch.Tensor], coef: float) -> None:
+        """Step host-resident parameters with the same fused kernels (their state lives beside them)."""
+        if not grads:
+            return
+        policy = self.gradient_policy
+        for group in self.param_groups:
+            params = [p for p in group["params"] if id(p) in grads]
+            if not params:
+                continue
+            g = [grads[id(p)] for p in params]
+            if coef != 1.0:
+                torch._foreach_mul_(g, coef)
+            if policy.clip_value is not None:
+                for x in g:
+                    x.clamp_(-policy.clip_value, policy.clip_value)
+            data = [p.detach() for p in params]
+            if self._is_adam:
+                states = [self._host_state.setdefault(id(p), {}) for p in params]
+                for p, st in zip(params, states, strict=True):
+                    if not st:
+                        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                beta1, beta2 = group["betas"]
+                adam_functional(
+                    data,
+                    g,
+                    [st["exp_avg"] for st in states],
+                    [st["exp_avg_sq"] for st in states],
+                    [],
+                    [st["step"] for st in states],
+                    fused=True,
+                    decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
+                    amsgrad=False,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=bool(group["maximize"]),
+                )
+            else:
+                for p, x, grad in zip(params, data, g, strict=True):
+                    # one call per parameter: each momentum buffer starts on its parameter's first step
+                    state = self._host_state.setdefault(id(p), {})
+                    bufs: list[torch.Tensor | None] = [state.get("momentum_buffer")]
+                    sgd_functional(
+                        [x],
+                        [grad],
+                        bufs,
+                        fused=True,
+                        weight_decay=group["weight_decay"],
+                        momentum=group["momentum"],
+                        lr=group["lr"],
+                        dampening=group["dampening"],
+                        nesterov=bool(group["nesterov"]),
+                        maximize=bool(group["maximize"]),
+                    )
+                    if bufs[0] is not None:
+                        state["momentum_buffer"] = bufs[0]
 
     def _family_grads(self, family: ChunkFamily) -> dict[int, torch.Tensor]:
         """fp32, unscaled gradients of the family's parameters that have one, keyed by record index.
@@ -309,6 +394,10 @@ class ChunkedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's gradients (weights overwritten by gradients are restored from the masters)."""
         self._manager.discard_grads()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in self._host_group:
+                    p.grad = None
 
     # ---- state dict in torch's standard layout -----------------------------------------------------------
     def _ordered_params(self) -> list[tuple[int, Any]]:
@@ -322,6 +411,10 @@ class ChunkedOptimizer(Optimizer):
         manager = self._manager
         state: dict[int, dict[str, Any]] = {}
         for index, p in self._ordered_params():
+            if id(p) in self._host_group:
+                if self._host_state.get(id(p)):
+                    state[index] = {k: v.detach().to("cpu", copy=True) for k, v in self._host_state[id(p)].items()}
+                continue
             record = manager.record_of(p)
             if record.index not in self._steps and record.index not in self._momentum_started:
                 continue
@@ -364,9 +457,13 @@ class ChunkedOptimizer(Optimizer):
         saved_index = [i for g in groups for i in g["params"]]
         manager = self._manager
         updates: list[tuple[ParamRecord, dict[str, Any]]] = []
+        host_updates: list[tuple[torch.Tensor, dict[str, Any]]] = []
         for (_pos, p), key in zip(ordered, saved_index, strict=True):
             entry = state_dict["state"].get(key)
             if entry is None:
+                continue
+            if id(p) in self._host_group:
+                host_updates.append((p, entry))
                 continue
             record = manager.record_of(p)
             for name, value in entry.items():
@@ -381,6 +478,10 @@ class ChunkedOptimizer(Optimizer):
             for k, v in saved.items():
                 if k != "params":
                     mine[k] = v
+        for p, entry in host_updates:
+            self._host_state[id(p)] = {
+                k: torch.as_tensor(v, dtype=torch.float32).to(p.device).clone() for k, v in entry.items()
+            }
         with torch.no_grad():
             for record, entry in updates:
                 family = record.family

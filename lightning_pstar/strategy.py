@@ -58,6 +58,7 @@ class PatrickStarStrategy(DDPStrategy):
         host_memory_fraction: float = _D.host_memory_fraction,
         static_chunk_fraction: float = _D.static_chunk_fraction,
         warmup_chunk_fraction: float = _D.warmup_chunk_fraction,
+        cpu_embedding: bool = _D.cpu_embedding,
         loss_scale: LossScaleConfig | Mapping[str, Any] | None = None,
         config: PStarConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -79,6 +80,7 @@ class PatrickStarStrategy(DDPStrategy):
                 host_memory_fraction=host_memory_fraction,
                 static_chunk_fraction=static_chunk_fraction,
                 warmup_chunk_fraction=warmup_chunk_fraction,
+                cpu_embedding=cpu_embedding,
                 loss_scale=LossScaleConfig(**loss_scale)
                 if isinstance(loss_scale, Mapping)
                 else (loss_scale or LossScaleConfig()),
