@@ -40,6 +40,18 @@ log = logging.getLogger(__name__)
 
 _MAX_TICK_LABELS = 24  # more moment labels than this are thinned so that they stay readable
 _MIB = 2**20
+_METRIC_NAMES = frozenset(
+    f"pstar/{k}"
+    for k in (
+        "device_chunk_bytes",
+        "host_chunk_bytes",
+        "h2d_bytes",
+        "d2h_bytes",
+        "evictions",
+        "prefetches",
+        "peak_non_model_bytes",
+    )
+)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -163,6 +175,7 @@ class PatrickStarMonitor(pl.Callback):
         self._warned = False
         self._last: dict[str, int] = {}  # cumulative counters at the previous log
         self._last_global_step = 0
+        self._sent = False  # pstar/* values were logged at the previous batch
 
     # ---- hooks ----------------------------------------------------------------------------------------
     @override
@@ -178,7 +191,8 @@ class PatrickStarMonitor(pl.Callback):
                     " remove the callback."
                 )
             return
-        n, every = self.log_every_n_steps, trainer.log_every_n_steps
+        n = self.log_every_n_steps
+        every: int = getattr(trainer, "log_every_n_steps", 1)  # set by Lightning's logger connector, untyped
         if n and trainer.loggers and (every == 0 or n % every):
             rank_zero_warn(
                 f"PatrickStarMonitor logs every {n} steps but the Trainer sends step metrics to its logger only"
@@ -193,6 +207,13 @@ class PatrickStarMonitor(pl.Callback):
         self._last = self._counters(self._report(trainer))
         self._last_global_step = trainer.global_step
         self.tide_saved = False
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._sent:
+            self._forget_sent_metrics(trainer)
 
     @override
     def on_train_batch_end(
@@ -243,9 +264,26 @@ class PatrickStarMonitor(pl.Callback):
             "peak_non_model_bytes": report.peak_non_model_bytes,
         }
         self._last = counters
+        self._sent = True
         # float64: Lightning turns plain numbers into float32, which cannot hold byte counts above 16 MiB exactly
         metrics = {f"pstar/{k}": torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+        assert set(metrics) == _METRIC_NAMES
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def _forget_sent_metrics(self, trainer: pl.Trainer) -> None:
+        """Drop this callback's values from Lightning's step results once the logger has had them.
+
+        Lightning keeps a value logged with ``on_step=True`` until the epoch ends and sends it again at every
+        later logging step. Ours are logged only every ``log_every_n_steps`` and several are windows ("since
+        the previous log"): a value sent twice would count the same bytes twice in the logger.
+        """
+        self._sent = False
+        results = getattr(trainer, "_results", None)  # Lightning's result collection (no public handle)
+        if results is None:
+            return
+        for metric in results.values():
+            if metric.meta.name in _METRIC_NAMES:
+                metric.reset()
 
     def _save_tide(self, trainer: pl.Trainer) -> None:
         assert self.save_tide_png is not None

@@ -168,10 +168,12 @@ class Chunk:
         return self.data[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     # ---- transitions ------------------------------------------------------------------------------------
-    def allocate(self, tier: Tier) -> None:
-        """Give the released chunk zeroed storage on ``tier``."""
+    def allocate(self, tier: Tier, *, zero: bool = True) -> None:
+        """Give the released chunk storage on ``tier``, zeroed unless it is about to be overwritten."""
         assert self._tier is None, f"chunk {self.chunk_id} is already allocated on {self._tier}"
-        self._storage_for(tier, allocate=True).zero_()
+        storage = self._storage_for(tier, allocate=True)
+        if zero:
+            storage.zero_()
         self._tier = tier
         self._stats.allocated(tier, self.nbytes)
 

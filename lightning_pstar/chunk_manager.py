@@ -7,9 +7,10 @@ initialises every parameter into its slot and points the model's parameters at v
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -17,7 +18,9 @@ import torch
 from torch import nn
 
 from lightning_pstar.chunk import Chunk, ChunkKind, Slot, TransferStats
+from lightning_pstar.comm import ChunkComm
 from lightning_pstar.config import PStarConfig
+from lightning_pstar.groups import GroupCoordinator
 from lightning_pstar.layout import Layout, ParamSpec, plan_layout, search_chunk_size
 from lightning_pstar.memory_tracer import MemoryTracer, MomentKind
 from lightning_pstar.placement import PlacementPolicy, make_policy
@@ -92,6 +95,10 @@ class MemoryReport:
     moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
     moment_device_chunk_bytes: list[int] = field(default_factory=list)  # per moment, last iteration seen
     moment_labels: list[str] = field(default_factory=list)  # "fwd:3", "bwd:3", "step"
+    rank: int = 0
+    world_size: int = 1
+    gathered_bytes: int = 0  # received by all-gathers of chunk groups (ZeRO data parallelism)
+    reduced_bytes: int = 0  # sent to reduce-scatters of gradients
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +131,9 @@ class MemoryReport:
             ("placement", self.placement),
             ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),
             ("optimizer runs on", self.optimizer_tier),
+            ("rank / world size", f"{self.rank} / {self.world_size}"),
+            ("all-gathered", fmt(self.gathered_bytes)),
+            ("reduce-scattered", fmt(self.reduced_bytes)),
         ]
         width = max(len(k) for k, _ in rows)
         return "PatrickStar memory report\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -152,6 +162,7 @@ class ChunkManager:
         world_size: int = 1,
         local_world_size: int = 1,
         accumulates: bool = False,
+        comm: ChunkComm | None = None,
         policy: PlacementPolicy | None = None,
     ) -> None:
         self.module = module
@@ -161,7 +172,11 @@ class ChunkManager:
         self.device = device
         self.simulated = device.type == "cpu"
         self.precision = precision
-        self.world_size = world_size
+        if comm is not None and comm.world_size != world_size and world_size != 1:
+            raise ValueError(f"world_size={world_size} disagrees with the communicator's {comm.world_size}")
+        self.comm = comm if comm is not None else ChunkComm(rank=0, world_size=world_size)
+        self.world_size = self.comm.world_size
+        self.rank = self.comm.rank
         # mixed precision keeps an fp32 gradient sum per trainable family while accumulating micro-batches
         self.accumulates = accumulates
         self.stats = TransferStats()
@@ -199,10 +214,10 @@ class ChunkManager:
                 specs,
                 device_budget_bytes=self.device_budget,
                 compute_itemsize=compute_dtype.itemsize,
-                world_size=world_size,
+                world_size=self.world_size,
             )
         else:
-            self.layout = plan_layout(specs, config.chunk_elements, world_size=world_size)
+            self.layout = plan_layout(specs, config.chunk_elements, world_size=self.world_size)
         self.optimizer_bytes_per_elem = 0  # set by the optimizer (8 for Adam, 4 for SGD with momentum)
         self._min_device_bytes = self.min_device_bytes()[0]
         self._check_budgets()
@@ -240,6 +255,8 @@ class ChunkManager:
         self.optimizer_tier = self.policy.optimizer_tier(
             model_data_bytes=self._model_data_bytes(optimizer_bytes_per_elem=8), device_budget=self.device_budget
         )
+        # ZeRO data parallelism: None on one rank
+        self.groups = GroupCoordinator(self, self.comm) if self.world_size > 1 else None
 
     # ---- planning -------------------------------------------------------------------------------------
     def _default_device_budget(self, config: PStarConfig) -> int | None:
@@ -301,7 +318,8 @@ class ChunkManager:
         param_b = self.compute_dtype.itemsize
         # mixed: fp32 master (+ fp32 gradient sum when accumulating); 32-true: fp32 grad chunk
         trainable = param_b + 4 + optimizer_bytes_per_elem + (4 if self.mixed and self.accumulates else 0)
-        return self.layout.family_bytes(trainable_bytes_per_elem=trainable, frozen_bytes_per_elem=param_b)
+        total = self.layout.family_bytes(trainable_bytes_per_elem=trainable, frozen_bytes_per_elem=param_b)
+        return total // self.world_size  # each rank keeps the families it owns (whole groups are padded)
 
     def min_device_bytes(self) -> tuple[int, str]:
         """Bytes of param chunks that must be resident at once for one module's forward, and its name.
@@ -317,6 +335,9 @@ class ChunkManager:
             nonlocal worst, worst_name
             own = {self.layout.param_chunk[by_id[id(p)]] for p in mod.parameters(recurse=False) if id(p) in by_id}
             chunks = inherited | own
+            if self.world_size > 1:  # a chunk arrives with its whole communication group
+                w = self.world_size
+                chunks = frozenset(g * w + k for g in {c // w for c in chunks} for k in range(w))
             need = sum(self.layout.chunks[c].capacity * itemsize for c in chunks)
             if need > worst:
                 worst, worst_name = need, name or "<root>"
@@ -364,11 +385,21 @@ class ChunkManager:
         for param in self.host_params.values():
             if param.device.type != "cpu" or param.dtype != torch.float32:
                 param.data = param.data.to("cpu", torch.float32)
+        if self.groups is not None:
+            self._check_same_layout_on_every_rank()
+            # as DDP does, every rank starts from rank 0's weights (meta-initialised ones: from their owner)
+            with torch.no_grad():
+                for record in self.records:
+                    if not record.param.is_meta:
+                        self.comm.broadcast_(record.param.data, src=0)
         for family in self.families:
-            self._allocate_family(family)
+            if self.owns(family):
+                self._allocate_family(family)
+            else:
+                self._new_chunk(family, ChunkKind.PARAM, self.compute_dtype)  # gathered on access
         # real parameters: copy their values; meta ones: initialise module by module
         for record in self.records:
-            if not record.param.is_meta:
+            if not record.param.is_meta and self.owns(record.family):
                 self._fill_slot(record, record.param.detach())
         # meta parameters are initialised module by module, in module order; a tied parameter keeps the
         # initialisation of the last module that owns it
@@ -383,7 +414,11 @@ class ChunkManager:
                 with torch.no_grad():
                     mod.reset_parameters()  # type: ignore[operator]
         for record in self.records:
-            self._point_at_chunk(record)
+            if self.owns(record.family):
+                self.point_at_chunk(record)
+            else:
+                assert self.groups is not None
+                self.groups.point_at_poison(record)
             record.slot.set_state(TensorState.HOLD, chunk_id=record.family.family_id)
         self._materialised = True
         log.info(
@@ -394,9 +429,35 @@ class ChunkManager:
             100 * self.layout.utilisation,
         )
 
+    def owns(self, family: ChunkFamily) -> bool:
+        """Whether this rank keeps ``family``'s chunks (always, on one rank)."""
+        return self.groups is None or self.groups.owns(family)
+
+    def _check_same_layout_on_every_rank(self) -> None:
+        mine = (
+            len(self._named),
+            self.layout.payload_elements,
+            self.layout.chunk_size,
+            len(self.families),
+            # a digest, not hash(): string hashing differs between processes
+            hashlib.sha1(
+                repr([(names[0], tuple(p.shape), p.requires_grad) for p, names in self._named]).encode()
+            ).hexdigest(),
+        )
+        every = self.comm.all_gather_object(mine)
+        for rank, theirs in enumerate(every):
+            if theirs != mine:
+                raise ValueError(
+                    f"The model differs between ranks: rank {self.rank} has {mine[0]} parameters with"
+                    f" {mine[1]:,} elements in {mine[3]} chunks of {mine[2]:,}, rank {rank} has {theirs[0]}"
+                    f" parameters with {theirs[1]:,} elements in {theirs[3]} chunks of {theirs[2]:,}"
+                    " (or other names/shapes). HINT: build the same model on every rank (same config, same"
+                    " frozen parameters) and set chunk_size explicitly if the device budgets differ."
+                )
+
     def _allocate_family(self, family: ChunkFamily) -> None:
         param_chunk = self._new_chunk(family, ChunkKind.PARAM, self.compute_dtype)
-        self._ensure_device_room(param_chunk.nbytes, protect={family.family_id})
+        self.ensure_device_room(param_chunk.nbytes, protect={family.family_id})
         param_chunk.allocate(Tier.DEVICE)
         if family.trainable and self.mixed:
             master = self._new_chunk(family, ChunkKind.MASTER, torch.float32)
@@ -417,13 +478,14 @@ class ChunkManager:
 
     def _optimizer_side_tier(self, nbytes: int) -> Tier:
         if self.optimizer_tier is Tier.DEVICE:
-            self._ensure_device_room(nbytes, protect=set())
+            self.ensure_device_room(nbytes, protect=set())
         return self.optimizer_tier
 
     def add_optimizer_chunks(self, kinds: Sequence[ChunkKind]) -> None:
-        """Allocate zeroed optimizer-state chunks (e.g. EXP_AVG, EXP_AVG_SQ) for every trainable family."""
+        """Allocate zeroed optimizer-state chunks (e.g. EXP_AVG, EXP_AVG_SQ) for every trainable family
+        this rank owns."""
         for family in self.families:
-            if not family.trainable:
+            if not family.trainable or not self.owns(family):
                 continue
             for kind in kinds:
                 if kind not in family.chunks:
@@ -454,7 +516,7 @@ class ChunkManager:
         with torch.no_grad():
             mod.reset_parameters()  # type: ignore[operator]
         for record in self.module_records.get(mod, []):
-            if record.index in from_meta:
+            if record.index in from_meta and self.owns(record.family):
                 self._fill_slot(record, record.param.detach())
 
     def _replace_parameter(self, record: ParamRecord, new: nn.Parameter) -> None:
@@ -479,7 +541,7 @@ class ChunkManager:
             raise KeyError("this parameter is not managed by PatrickStar (was it added after setup?)")
         return record
 
-    def _point_at_chunk(self, record: ParamRecord) -> None:
+    def point_at_chunk(self, record: ParamRecord) -> None:
         """Point the parameter at its slot in the buffer of the tier that holds its chunk.
 
         See [Note: storage identity] in ``chunk.py``: parameters move between the two storages of their
@@ -508,13 +570,13 @@ class ChunkManager:
         chunk.move_to(tier, stream=stream)
         if self._materialised:  # during materialisation parameters are pointed once at the end
             for record in family.records:
-                self._point_at_chunk(record)
+                self.point_at_chunk(record)
 
     # ---- access ---------------------------------------------------------------------------------------
     def _device_used(self) -> int:
         return self.stats.per_tier_bytes[Tier.DEVICE]
 
-    def _ensure_device_room(self, nbytes: int, *, protect: set[int]) -> None:
+    def ensure_device_room(self, nbytes: int, *, protect: set[int]) -> None:
         room = self.policy.chunk_room(self.device_budget, self._min_device_bytes)
         if room is None:
             return
@@ -524,7 +586,10 @@ class ChunkManager:
         candidates = [
             f.param_chunk
             for f in self.families
-            if f.family_id not in protect and ChunkKind.PARAM in f.chunks and f.param_chunk.tier is Tier.DEVICE
+            if f.family_id not in protect
+            and ChunkKind.PARAM in f.chunks
+            and f.param_chunk.tier is Tier.DEVICE
+            and self.owns(f)  # remote chunks are released, never evicted
         ]
         victims = self.policy.victims(candidates, missing)
         if sum(v.nbytes for v in victims) < missing:
@@ -555,7 +620,7 @@ class ChunkManager:
         if chunk.tier is Tier.DEVICE:
             chunk.wait()  # a prefetch may still be in flight
             return
-        self._ensure_device_room(chunk.nbytes, protect=protect | {family.family_id})
+        self.ensure_device_room(chunk.nbytes, protect=protect | {family.family_id})
         self.move_param_chunk(family, Tier.DEVICE)
 
     def access(
@@ -572,8 +637,11 @@ class ChunkManager:
         if moment is not None and self.in_training:
             self.tracer.moment(moment[0], moment[1], tuple(families))
         protect = set(families)
+        if self.groups is not None:
+            self.groups.ensure_gathered(list(families.values()), protect)
         for family in families.values():
-            self.fetch(family, protect=protect)
+            if self.owns(family):
+                self.fetch(family, protect=protect)
         for record in records:
             record.slot.set_state(new_state, chunk_id=record.family.family_id)
         if self.in_training:
@@ -583,7 +651,11 @@ class ChunkManager:
 
     def _prefetch(self, protect: set[int]) -> None:
         """Fetch the next moment's chunks ahead of time when they fit without evicting anything."""
-        wanted = [fid for fid in self.policy.prefetch() if self.families[fid].param_chunk.tier is not Tier.DEVICE]
+        wanted = [
+            fid
+            for fid in self.policy.prefetch()
+            if self.owns(self.families[fid]) and self.families[fid].param_chunk.tier is not Tier.DEVICE
+        ]
         if not wanted:
             return
         room = self.policy.chunk_room(self.device_budget, self._min_device_bytes)
@@ -660,24 +732,33 @@ class ChunkManager:
                 return chunk.tier
         return Tier.DEVICE
 
-    def release(self, records: Iterable[ParamRecord], new_state: TensorState) -> None:
-        """Move slots out of ``COMPUTE``; their chunks become evictable once no slot computes."""
+    def release(self, records: Sequence[ParamRecord], new_state: TensorState) -> None:
+        """Move slots out of ``COMPUTE``; their chunks become evictable (remote ones: released) once no
+        slot computes."""
         for record in records:
             if record.slot.state is TensorState.COMPUTE:
                 record.slot.set_state(new_state, chunk_id=record.family.family_id)
+        if self.groups is not None:
+            self.groups.release_idle([r.family for r in records])
 
-    def post_backward(self, records: Iterable[ParamRecord]) -> None:
+    def post_backward(self, records: Sequence[ParamRecord]) -> None:
         """A module's backward is done: frozen slots go to ``HOLD``, trainable ones still waiting for their
         final gradient (tied weights, parameters used again earlier in forward) to ``HOLD_AFTER_FWD``."""
         for record in records:
             if record.slot.state is TensorState.COMPUTE:
                 new = TensorState.HOLD_AFTER_FWD if record.trainable else TensorState.HOLD
                 record.slot.set_state(new, chunk_id=record.family.family_id)
+        if self.groups is not None:
+            self.groups.release_idle([r.family for r in records])
 
     # ---- gradients ------------------------------------------------------------------------------------
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """Store the final gradient of ``record`` for this backward into the chunks."""
         family = record.family
+        if self.groups is not None:
+            with torch.no_grad():
+                self.groups.grad_ready(record, grad)
+            return
         with torch.no_grad():
             if self.mixed and not self.accumulating:
                 target_chunk = family.param_chunk
@@ -689,6 +770,19 @@ class ChunkManager:
                 record.grad_chunk_has_data = True
         final = TensorState.HOLD if self.accumulating else TensorState.HOLD_AFTER_BWD
         record.slot.set_state(final, chunk_id=family.family_id)
+
+    def store_reduced_grad(self, record: ParamRecord, grad: torch.Tensor) -> None:
+        """Store the gradient averaged over ranks for a slot this rank owns (ZeRO data parallelism)."""
+        family = record.family
+        view = grad.view(record.slot.shape)
+        if self.mixed and not self.accumulating and ChunkKind.GRAD not in family.chunks:
+            self._copy_in(family.param_chunk, record.slot, view, add=False)  # chunk reuse: 14 bytes/param
+            record.slot_holds_grad = True
+        else:
+            self._copy_in(self._grad_chunk(family), record.slot, view, add=record.grad_chunk_has_data)
+            record.grad_chunk_has_data = True
+        if not self.accumulating:
+            record.slot.set_state(TensorState.HOLD_AFTER_BWD, chunk_id=family.family_id)
 
     def _grad_chunk(self, family: ChunkFamily) -> Chunk:
         chunk = family.chunks.get(ChunkKind.GRAD)
@@ -720,12 +814,17 @@ class ChunkManager:
 
         Slots in ``HOLD_AFTER_BWD`` keep their gradient for the coming optimizer step.
         """
+        if self.groups is not None:
+            with torch.no_grad():
+                self.groups.flush()  # reduce groups whose parameters did not all receive a gradient
         for record in self.records:
             if record.slot.state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD):
                 record.slot.set_state(TensorState.HOLD, chunk_id=record.family.family_id)
 
     def discard_grads(self) -> None:
         """Forget gradients (``zero_grad``); weights overwritten by gradients are restored from the masters."""
+        if self.groups is not None:
+            self.groups.discard()
         for family in self.families:
             restore = [r for r in family.records if r.slot_holds_grad]
             if restore:
@@ -748,10 +847,41 @@ class ChunkManager:
             raise RuntimeError(f"the slot of '{record.slot.name}' holds a gradient; no weight to read now")
         return chunk.slot_view(record.slot)
 
+    def family_values(self, family: ChunkFamily) -> torch.Tensor:
+        """The fp32 truth of a whole family (1-D, capacity), from its owner on every rank (a collective when
+        there are several ranks; on one rank a view of the chunk on its tier)."""
+        chunk = family.chunks.get(ChunkKind.MASTER) if self.owns(family) else None
+        if chunk is None and self.owns(family):
+            chunk = family.param_chunk
+        if self.groups is None:
+            assert chunk is not None
+            return chunk.data if chunk.dtype == torch.float32 else chunk.data.float()
+        out = torch.empty(family.capacity, dtype=torch.float32, device=self.device)
+        if chunk is not None:
+            out.copy_(chunk.data)
+        return self.comm.broadcast_(out, src=family.family_id % self.world_size)
+
+    def _all_values(self) -> dict[int, torch.Tensor]:
+        """Record index -> fp32 value of every parameter, family by family (see :meth:`family_values`)."""
+        values: dict[int, torch.Tensor] = {}
+        for family in self.families:
+            if not family.records:
+                continue
+            if self.groups is None:
+                for record in family.records:
+                    self.master_view(record)  # raises if a slot holds a gradient instead of a weight
+            flat = self.family_values(family)
+            for record in family.records:
+                values[record.index] = flat[record.slot.offset : record.slot.offset + record.slot.numel].view(
+                    record.slot.shape
+                )
+        return values
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's ``state_dict`` with fp32 CPU copies of every parameter under each of its names."""
         with torch.no_grad():
-            values = {id(r.param): self.master_view(r).detach().to("cpu", copy=True) for r in self.records}
+            by_index = self._all_values()
+            values = {id(r.param): by_index[r.index].detach().to("cpu", copy=True) for r in self.records}
             out: dict[str, torch.Tensor] = {}
             for key, tensor in self.module.state_dict(keep_vars=True).items():
                 if id(tensor) in values:
@@ -799,7 +929,8 @@ class ChunkManager:
                 )
         with torch.no_grad():
             for record, value in values:
-                self._fill_slot(record, value)
+                if self.owns(record.family):
+                    self._fill_slot(record, value)
                 record.slot_holds_grad = False
             for key, value in state_dict.items():
                 if key in buffers and key not in param_names:
@@ -809,8 +940,9 @@ class ChunkManager:
     def restore_module(self, device: torch.device) -> None:
         """Give every parameter an ordinary tensor of its original dtype on ``device`` and free the chunks."""
         with torch.no_grad():
+            values = self._all_values()
             for record in self.records:
-                value = self.master_view(record).detach().to(device=device, dtype=record.orig_dtype, copy=True)
+                value = values[record.index].detach().to(device=device, dtype=record.orig_dtype, copy=True)
                 record.param.data = value
         for family in self.families:
             for chunk in family.chunks.values():
@@ -855,6 +987,10 @@ class ChunkManager:
             host_memory_limit=self.host_budget,
             optimizer_tier=self._optimizer_placement_summary(),
             placement=self.policy.name,
+            rank=self.rank,
+            world_size=self.world_size,
+            gathered_bytes=self.comm.gathered_bytes,
+            reduced_bytes=self.comm.reduced_bytes,
             prefetches=self.stats.prefetches,
             peak_non_model_bytes=trace.peak_non_model,
             moment_non_model_bytes=[m.non_model_bytes for m in trace.moments],

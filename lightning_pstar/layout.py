@@ -78,7 +78,9 @@ def plan_layout(params: Sequence[ParamSpec], chunk_size: int, *, world_size: int
 
     Trainable and frozen parameters go to separate chunks (frozen families carry no optimizer state).
     Each parameter lies whole inside one chunk; a parameter larger than ``chunk_size`` gets a chunk of its
-    own. The list is padded with empty chunks to a multiple of ``world_size``.
+    own. With ``world_size > 1`` the chunks of each kind are padded with empty chunks to whole
+    communication groups of ``world_size`` chunks (trainable groups first, then frozen ones), and every
+    chunk of a group gets the group's largest capacity, so a group is gathered and reduced in one call.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size}")
@@ -114,8 +116,12 @@ def plan_layout(params: Sequence[ParamSpec], chunk_size: int, *, world_size: int
         plan.used = offset + spec.numel
         param_chunk[index] = plan.chunk_id
         param_offset[index] = offset
-    while len(chunks) % world_size:
-        new_chunk(True, chunk_size)
+    if world_size > 1:
+        chunks = _group_chunks(chunks, chunk_size, world_size)
+        for plan in chunks:
+            for index, offset in zip(plan.members, plan.offsets, strict=True):
+                param_chunk[index] = plan.chunk_id
+                param_offset[index] = offset
     return Layout(
         chunk_size=chunk_size,
         chunks=chunks,
@@ -123,6 +129,25 @@ def plan_layout(params: Sequence[ParamSpec], chunk_size: int, *, world_size: int
         param_offset=param_offset,
         payload_elements=sum(p.numel for p in params),
     )
+
+
+def _group_chunks(chunks: list[ChunkPlan], chunk_size: int, world_size: int) -> list[ChunkPlan]:
+    """Renumber ``chunks`` into whole groups of ``world_size`` of one kind with equal capacities."""
+    out: list[ChunkPlan] = []
+    for trainable in (True, False):
+        kind = [c for c in chunks if c.trainable is trainable]
+        if not kind:
+            continue
+        while len(kind) % world_size:
+            kind.append(ChunkPlan(chunk_id=-1, capacity=chunk_size, trainable=trainable))
+        for start in range(0, len(kind), world_size):
+            group = kind[start : start + world_size]
+            capacity = max(c.capacity for c in group)
+            for plan in group:
+                plan.capacity = capacity
+                plan.chunk_id = len(out)
+                out.append(plan)
+    return out
 
 
 def search_chunk_size(

@@ -139,23 +139,12 @@ class ChunkedOptimizer(Optimizer):
             self.last_step = StepResult()
             host_grads = self._host_grads()
             if policy.check_finite or policy.clip_norm is not None:
-                norms: list[torch.Tensor] = []
-                finite = True
-                for grads in [list(host_grads.values())] if host_grads else []:
-                    norms.extend(torch._foreach_norm(grads, 2.0))
-                    if policy.check_finite:
-                        finite = all(bool(torch.isfinite(g).all()) for g in grads)
-                for family in families:
-                    grads = list(self._family_grads(family).values())
-                    norms.extend(torch._foreach_norm(grads, 2.0))
-                    if policy.check_finite and finite:
-                        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+                finite, total = self._global_norm(families, host_grads)
                 if not finite:
                     self.last_step = StepResult(skipped=True)
                     self.zero_grad()
                     return loss
-                if policy.clip_norm is not None and norms:
-                    total = torch.linalg.vector_norm(torch.stack([n.to("cpu") for n in norms]), 2.0)
+                if policy.clip_norm is not None and total is not None:
                     self.last_step.total_norm = float(total)
                     coef = min(1.0, float(policy.clip_norm / (total + 1e-6)))
                     if not math.isfinite(float(total)):
@@ -165,6 +154,33 @@ class ChunkedOptimizer(Optimizer):
             self._step_host_params(host_grads, coef)
             self.zero_grad()
         return loss
+
+    def _global_norm(
+        self, families: list[ChunkFamily], host_grads: dict[int, torch.Tensor]
+    ) -> tuple[bool, torch.Tensor | None]:
+        """Whether every gradient is finite, and the global 2-norm, over all ranks (each owns a share)."""
+        policy = self.gradient_policy
+        norms: list[torch.Tensor] = []
+        finite = True
+        grad_lists = [list(host_grads.values())] if host_grads else []
+        grad_lists += [list(self._family_grads(f).values()) for f in families]
+        for grads in grad_lists:
+            if not grads:
+                continue
+            norms.extend(n.to("cpu") for n in torch._foreach_norm(grads, 2.0))
+            if policy.check_finite and finite:
+                finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        comm = self._manager.comm
+        if not comm.distributed:
+            total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else None
+            return finite, total
+        # every rank holds the gradients of the families it owns: sum squares and flags over ranks
+        device = self._manager.device
+        packed = torch.tensor(
+            [float(sum(float(n) ** 2 for n in norms)), 0.0 if finite else 1.0], dtype=torch.float64, device=device
+        )
+        comm.all_reduce_sum_(packed)
+        return bool(packed[1] == 0), torch.sqrt(packed[0]).to(torch.float32).cpu()
 
     def _host_grads(self) -> dict[int, torch.Tensor]:
         """Unscaled fp32 gradients of host-resident parameters (cpu_embedding), keyed by parameter id."""
@@ -407,28 +423,69 @@ class ChunkedOptimizer(Optimizer):
                 out.append((len(out), p))
         return out
 
+    def _record_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Record index -> its optimizer state (CPU tensors, torch's names), for every record on every rank.
+
+        With several ranks each family's state comes from its owner (a broadcast per family, in order).
+        """
+        manager = self._manager
+        kinds = [k for k in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ) if self._is_adam or k is ChunkKind.EXP_AVG]
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for family in manager.families:
+            if not family.trainable or not family.records:
+                continue
+            owned = manager.owns(family)
+            present = [k for k in kinds if owned and k in family.chunks]
+            if manager.comm.distributed:
+                # owner packs [states..., steps] so one broadcast carries the family
+                width = len(kinds) * family.capacity + len(family.records)
+                packed = torch.zeros(width, dtype=torch.float32, device=manager.device)
+                if owned:
+                    for i, kind in enumerate(present):
+                        packed[i * family.capacity : (i + 1) * family.capacity].copy_(family.chunks[kind].data)
+                    steps = [self._record_step(r) for r in family.records]
+                    packed[len(kinds) * family.capacity :].copy_(torch.tensor(steps, dtype=torch.float32))
+                manager.comm.broadcast_(packed, src=family.family_id % manager.world_size)
+                packed = packed.cpu()
+                chunks = {k: packed[i * family.capacity : (i + 1) * family.capacity] for i, k in enumerate(kinds)}
+                steps = packed[len(kinds) * family.capacity :].tolist()
+            else:
+                chunks = {k: family.chunks[k].data for k in present}
+                steps = [self._record_step(r) for r in family.records]
+            for record, step in zip(family.records, steps, strict=True):
+                if step < 0:
+                    continue
+                sl = slice(record.slot.offset, record.slot.offset + record.slot.numel)
+                if self._is_adam:
+                    out[record.index] = {
+                        "step": torch.tensor(step, dtype=torch.float32),
+                        "exp_avg": chunks[ChunkKind.EXP_AVG][sl].view(record.slot.shape).to("cpu", copy=True),
+                        "exp_avg_sq": chunks[ChunkKind.EXP_AVG_SQ][sl].view(record.slot.shape).to("cpu", copy=True),
+                    }
+                else:
+                    buf = chunks[ChunkKind.EXP_AVG][sl].view(record.slot.shape).to("cpu", copy=True)
+                    out[record.index] = {"momentum_buffer": buf}
+        return out
+
+    def _record_step(self, record: ParamRecord) -> float:
+        """The record's step count (Adam), 0 for a started momentum buffer (SGD), -1 without state."""
+        if self._is_adam:
+            step = self._steps.get(record.index)
+            return -1.0 if step is None else float(step)
+        return 0.0 if record.index in self._momentum_started else -1.0
+
     def state_dict(self) -> dict[str, Any]:
         manager = self._manager
+        record_states = self._record_states()
         state: dict[int, dict[str, Any]] = {}
         for index, p in self._ordered_params():
             if id(p) in self._host_group:
                 if self._host_state.get(id(p)):
                     state[index] = {k: v.detach().to("cpu", copy=True) for k, v in self._host_state[id(p)].items()}
                 continue
-            record = manager.record_of(p)
-            if record.index not in self._steps and record.index not in self._momentum_started:
-                continue
-            family = record.family
-            entry: dict[str, Any] = {}
-            if self._is_adam:
-                entry["step"] = self._steps[record.index].detach().to("cpu", copy=True)
-                entry["exp_avg"] = family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).to("cpu", copy=True)
-                entry["exp_avg_sq"] = family.chunks[ChunkKind.EXP_AVG_SQ].slot_view(record.slot).to("cpu", copy=True)
-            elif record.index in self._momentum_started:
-                entry["momentum_buffer"] = family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).to("cpu", copy=True)
-            else:
-                continue
-            state[index] = entry
+            entry = record_states.get(manager.record_of(p).index)
+            if entry is not None:
+                state[index] = entry
         groups = []
         start = 0
         for group in self.param_groups:
@@ -485,6 +542,8 @@ class ChunkedOptimizer(Optimizer):
         with torch.no_grad():
             for record, entry in updates:
                 family = record.family
+                if not manager.owns(family):
+                    continue  # its owner loads it
                 if "exp_avg" in entry:
                     family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).copy_(entry["exp_avg"])
                     family.chunks[ChunkKind.EXP_AVG_SQ].slot_view(record.slot).copy_(entry["exp_avg_sq"])

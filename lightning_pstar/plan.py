@@ -15,9 +15,13 @@ trainable and frozen parameters in separate families) and priced with the bytes 
 
 times the chunk CAPACITY (padding included), so ``CapacityPlan.model_data_bytes`` equals
 ``ChunkManager.memory_report().model_data_bytes`` of the same model. Activations (non-model data) are not
-part of the plan: they depend on the batch and are measured by the warm-up iteration.
+part of the plan: they depend on the batch and are measured by the warm-up iteration. With
+``cpu_embedding`` untied embedding weights stay fp32 on HOST outside the chunks (weight, gradient and
+optimizer states, a replica per rank) and count against the host budget.
 
-Both budgets are per rank, like the strategy's ``device_memory_limit`` and ``host_memory_limit``. A model
+Both budgets are per rank and mean what the strategy's ``device_memory_limit`` and ``host_memory_limit`` mean
+(the strategy's defaults are 0.8 of the accelerator and 0.8 of the RAM per local rank: pass those figures
+to plan for a run with default budgets; the "auto" chunk size depends on the device budget). A model
 fits when (1) its model data per rank is at most device + host budget and (2) the parameter chunks that
 must be resident at once for one module's forward (its own and its ancestors', whole chunk groups when
 ranks gather them) fit the device budget.
@@ -31,12 +35,13 @@ import argparse
 import importlib
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -82,7 +87,7 @@ class Scale(str, Enum):
     """Width only, in steps of ``n_head``: ``n_embd = k * n_head``."""
 
 
-_SEARCH_LIMIT: dict[Scale, int] = {Scale.BOTH: 2048, Scale.N_LAYER: 2048, Scale.N_EMBD: 1 << 16}
+_SEARCH_LIMIT: dict[Scale, int] = {Scale.BOTH: 1024, Scale.N_LAYER: 1024, Scale.N_EMBD: 1 << 16}
 """Largest ``k`` the search tries; beyond it a meta build and a chunk-size search take too long to be useful."""
 
 
@@ -171,13 +176,15 @@ class CapacityPlan:
     optimizer_state_bytes: int
     model_data_bytes: int  # every chunk the engine allocates, all ranks
     model_data_bytes_per_rank: int  # the rank owning the most chunk bytes
-    bytes_per_param: float  # model_data_bytes / num_params (padding included)
+    host_embedding_params: int  # cpu_embedding: embedding elements kept fp32 on HOST outside the chunks
+    host_embedding_bytes: int  # their weights, gradients and optimizer states, per rank (a replica each)
+    bytes_per_param: float  # (model_data_bytes + host_embedding_bytes) / num_params, padding included
     device_budget: int  # per rank
     host_budget: int  # per rank
     min_device_bytes: int  # param chunks resident at once for the most demanding module (per rank)
     min_device_module: str
     device_model_data_bytes: int  # model data per rank that can stay on the device (budget permitting)
-    host_model_data_bytes: int  # model data per rank that must live in host RAM
+    host_model_data_bytes: int  # model data per rank that must live in host RAM (host embeddings included)
     fits_model_data: bool
     fits_min_device: bool
     largest: LargestModel | None = None
@@ -192,9 +199,12 @@ class CapacityPlan:
         """Why the model does not fit (empty when it does)."""
         out = []
         if not self.fits_model_data:
+            need = self.model_data_bytes_per_rank + self.host_embedding_bytes
+            budget, host = self.device_budget + self.host_budget, self.host_budget
             out.append(
-                f"model data per rank {_fmt(self.model_data_bytes_per_rank)} > device + host budget"
-                f" {_fmt(self.device_budget + self.host_budget)}"
+                f"model data per rank {_fmt(need)} > device + host budget {_fmt(budget)}"
+                if self.host_embedding_bytes <= host
+                else f"host-resident embeddings {_fmt(self.host_embedding_bytes)} > host budget {_fmt(host)}"
             )
         if not self.fits_min_device:
             out.append(
@@ -232,6 +242,11 @@ class CapacityPlan:
             ("model data", f"{_fmt(self.model_data_bytes)}, {self.bytes_per_param:.2f} B/param"),
             *((f"  {name}", _fmt(nbytes)) for name, nbytes in kinds),
             ("model data per rank", _fmt(self.model_data_bytes_per_rank)),
+            *(
+                [("host embeddings", f"{self.host_embedding_params:,} params, {_fmt(self.host_embedding_bytes)}")]
+                if self.host_embedding_params
+                else []
+            ),
             (
                 "DEVICE (per rank)",
                 f"must hold {_fmt(self.min_device_bytes)} (module '{self.min_device_module}'), can hold"
@@ -396,11 +411,27 @@ def _build_gpt(config: GPTConfig) -> nn.Module:
 
 
 # ---- pure planning --------------------------------------------------------------------------------------
-def _collect_parameters(module: nn.Module) -> list[tuple[nn.Parameter, str]]:
+def _host_embeddings(module: nn.Module) -> list[tuple[nn.Parameter, str]]:
+    """``cpu_embedding``: the embedding weights the engine keeps fp32 on HOST, outside the chunks.
+
+    The rule of ``ChunkManager._host_embeddings``: every ``nn.Embedding`` weight not shared with another
+    module (a tied output head computes on the device, so a tied weight stays in the chunks).
+    """
+    uses: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(param), []).append(name)
+    out: dict[int, tuple[nn.Parameter, str]] = {}
+    for mod in module.modules():
+        if isinstance(mod, nn.Embedding) and len(uses[id(mod.weight)]) == 1:
+            out[id(mod.weight)] = (cast(nn.Parameter, mod.weight), uses[id(mod.weight)][0])
+    return list(out.values())
+
+
+def _collect_parameters(module: nn.Module, exclude: set[int]) -> list[tuple[nn.Parameter, str]]:
     """Unique parameters in the engine's order (``ChunkManager._collect_parameters``), with their first name."""
     seen: dict[int, tuple[nn.Parameter, str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
+        if id(param) in seen or id(param) in exclude:
             continue
         if not param.is_floating_point():
             raise ValueError(
@@ -418,7 +449,8 @@ def min_device_bytes(
 
     The same walk as ``ChunkManager.min_device_bytes``: a module counts the chunks of its own and its
     ancestors' direct parameters. With several ranks a chunk is gathered with its whole group, so groups
-    are counted. ``param_index`` maps ``id(parameter)`` to its index in the layout.
+    are counted. ``param_index`` maps ``id(parameter)`` to its index in the layout (parameters outside the
+    chunks are left out).
     """
     group_bytes: dict[int, int] = {}
     for chunk in layout.chunks:
@@ -428,7 +460,11 @@ def min_device_bytes(
 
     def visit(mod: nn.Module, name: str, inherited: frozenset[int]) -> None:
         nonlocal worst, worst_name
-        own = {layout.param_chunk[param_index[id(p)]] // world_size for p in mod.parameters(recurse=False)}
+        own = {
+            layout.param_chunk[param_index[id(p)]] // world_size
+            for p in mod.parameters(recurse=False)
+            if id(p) in param_index  # host-resident embeddings have no chunk
+        }
         groups = inherited | own
         need = sum(group_bytes[g] for g in groups)
         if need > worst:
@@ -449,6 +485,7 @@ class _Settings:
     host_budget: int
     world_size: int
     chunk_elements: int | None  # None: auto
+    cpu_embedding: bool
 
 
 def _settings(
@@ -460,22 +497,25 @@ def _settings(
     chunk_size: int | str,
     optimizer: str,
     accumulate_grad_batches: int,
+    cpu_embedding: bool,
 ) -> _Settings:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive int, got {world_size!r}. HINT: the number of ranks.")
     if isinstance(accumulate_grad_batches, bool) or accumulate_grad_batches < 1:
         raise ValueError(f"`accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches!r}.")
-    # the strategy's own validation of chunk sizes and budgets, with its messages
-    config = PStarConfig(chunk_size=chunk_size, device_memory_limit=device_memory, host_memory_limit=host_memory)
+    device_budget = parse_bytes(device_memory, name="device_memory")
+    host_budget = parse_bytes(host_memory, name="host_memory")
+    chunk_elements = PStarConfig(chunk_size=chunk_size).chunk_elements  # the strategy's own validation
     mixed = precision != "32-true"
     return _Settings(
         precision=precision,
         optimizer=optimizer,
         bytes_per_element=bytes_per_element(precision, optimizer, accumulates=mixed and accumulate_grad_batches > 1),
-        device_budget=parse_bytes(device_memory, name="device_memory"),
-        host_budget=parse_bytes(host_memory, name="host_memory"),
+        device_budget=device_budget,
+        host_budget=host_budget,
         world_size=world_size,
-        chunk_elements=config.chunk_elements,
+        chunk_elements=chunk_elements,
+        cpu_embedding=cpu_embedding,
     )
 
 
@@ -487,35 +527,47 @@ def _per_rank_bytes(layout: Layout, bpe: BytesPerElement, world_size: int) -> in
     return max(owned)
 
 
-def _plan_module(module: nn.Module, description: str, settings: _Settings) -> CapacityPlan:
-    named = _collect_parameters(module)
-    if not named:
-        raise ValueError(f"The model {description!r} has no parameters. HINT: nothing to plan for PatrickStar.")
-    specs = [ParamSpec(name=name, numel=p.numel(), trainable=p.requires_grad) for p, name in named]
-    bpe, ws = settings.bytes_per_element, settings.world_size
-    if settings.chunk_elements is None:
-        layout = search_chunk_size(
-            specs, device_budget_bytes=settings.device_budget, compute_itemsize=bpe.param, world_size=ws
-        )
-    else:
-        layout = plan_layout(specs, settings.chunk_elements, world_size=ws)
-    trainable_cap = sum(c.capacity for c in layout.chunks if c.trainable)
-    total = layout.family_bytes(trainable_bytes_per_elem=bpe.trainable, frozen_bytes_per_elem=bpe.frozen)
-    per_rank = _per_rank_bytes(layout, bpe, ws)
-    index = {id(p): i for i, (p, _) in enumerate(named)}
-    need, where = min_device_bytes(module, layout, index, itemsize=bpe.param, world_size=ws)
+def _host_embedding_bytes(host: Sequence[tuple[nn.Parameter, str]], bpe: BytesPerElement) -> int:
+    """fp32 weight, fp32 gradient and optimizer states of each trainable host-resident embedding (every rank
+    keeps a replica); a frozen one is its fp32 weight only."""
+    return sum(p.numel() * (4 + 4 + bpe.optimizer if p.requires_grad else 4) for p, _ in host)
+
+
+def _notes(named: Sequence[tuple[nn.Parameter, str]]) -> list[str]:
     notes = ["activations (non-model data) are not included: leave device memory for them"]
     allocated = [name for p, name in named if not p.is_meta]
     if allocated:
         notes.append(f"{len(allocated)} parameter(s) were not built on the meta device (first: '{allocated[0]}')")
         log.warning("the model factory allocated parameters outside the meta device, e.g. '%s'", allocated[0])
+    return notes
+
+
+def _plan_module(module: nn.Module, description: str, settings: _Settings) -> CapacityPlan:
+    host = _host_embeddings(module) if settings.cpu_embedding else []
+    named = _collect_parameters(module, exclude={id(p) for p, _ in host})
+    if not named:
+        raise ValueError(f"The model {description!r} has no parameters. HINT: nothing to plan for PatrickStar.")
+    specs = [ParamSpec(name=name, numel=p.numel(), trainable=p.requires_grad) for p, name in named]
+    bpe, ws, device = settings.bytes_per_element, settings.world_size, settings.device_budget
+    if settings.chunk_elements is None:
+        layout = search_chunk_size(specs, device_budget_bytes=device, compute_itemsize=bpe.param, world_size=ws)
+    else:
+        layout = plan_layout(specs, settings.chunk_elements, world_size=ws)
+    trainable_cap = sum(c.capacity for c in layout.chunks if c.trainable)
+    total = layout.family_bytes(trainable_bytes_per_elem=bpe.trainable, frozen_bytes_per_elem=bpe.frozen)
+    per_rank = _per_rank_bytes(layout, bpe, ws)
+    embeddings = _host_embedding_bytes(host, bpe)
+    host_need = embeddings + max(0, per_rank - device)
+    index = {id(p): i for i, (p, _) in enumerate(named)}
+    need, where = min_device_bytes(module, layout, index, itemsize=bpe.param, world_size=ws)
+    num_params = layout.payload_elements + sum(p.numel() for p, _ in host)
     return CapacityPlan(
         target=description,
         precision=settings.precision,
         optimizer=settings.optimizer,
         world_size=ws,
-        num_params=layout.payload_elements,
-        num_trainable_params=sum(s.numel for s in specs if s.trainable),
+        num_params=num_params,
+        num_trainable_params=sum(p.numel() for p, _ in [*named, *host] if p.requires_grad),
         chunk_size=layout.chunk_size,
         chunk_size_auto=settings.chunk_elements is None,
         num_chunks=len(layout.chunks),
@@ -528,16 +580,18 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         optimizer_state_bytes=trainable_cap * bpe.optimizer,
         model_data_bytes=total,
         model_data_bytes_per_rank=per_rank,
-        bytes_per_param=total / layout.payload_elements,
-        device_budget=settings.device_budget,
+        host_embedding_params=sum(p.numel() for p, _ in host),
+        host_embedding_bytes=embeddings,
+        bytes_per_param=(total + embeddings) / num_params,
+        device_budget=device,
         host_budget=settings.host_budget,
         min_device_bytes=need,
         min_device_module=where,
-        device_model_data_bytes=min(per_rank, settings.device_budget),
-        host_model_data_bytes=max(0, per_rank - settings.device_budget),
-        fits_model_data=per_rank <= settings.device_budget + settings.host_budget,
-        fits_min_device=need <= settings.device_budget,
-        notes=notes,
+        device_model_data_bytes=min(per_rank, device),
+        host_model_data_bytes=host_need,
+        fits_model_data=host_need <= settings.host_budget,
+        fits_min_device=need <= device,
+        notes=_notes([*named, *host]),
     )
 
 
@@ -556,8 +610,27 @@ def _family_index(base: GPTConfig, scale: Scale) -> int:
     return base.n_embd // base.n_head if scale is Scale.N_EMBD else base.n_layer
 
 
+def _interpolate(lo: int, lo_plan: CapacityPlan, hi: int, hi_plan: CapacityPlan) -> int | None:
+    """Where model data per rank reaches the budget, between ``lo`` (fits) and ``hi`` (too much model data).
+
+    Model data grows as a power of the family index (1 for depth, 2 for width, 3 for both), so a straight line
+    through the two points in log-log space lands within a member or two of the answer. None when ``hi`` fails
+    for another reason (the minimum device need), where only bisection is sound.
+    """
+    if not hi_plan.fits_min_device or hi_plan.fits_model_data:
+        return None
+    budget = hi_plan.device_budget + hi_plan.host_budget
+    b_lo, b_hi = lo_plan.model_data_bytes_per_rank, hi_plan.model_data_bytes_per_rank
+    if not 0 < b_lo <= budget < b_hi:
+        return None
+    t = (math.log(budget) - math.log(b_lo)) / (math.log(b_hi) - math.log(b_lo))
+    guess = math.floor(math.exp(math.log(lo) + t * (math.log(hi) - math.log(lo))))
+    return min(max(guess, lo + 1), hi - 1)
+
+
 def _find_largest(base: GPTConfig, scale: Scale, settings: _Settings, *, base_plan: CapacityPlan) -> LargestModel:
-    """Gallop up from ``base`` by doubling, then bisect: the member ``k`` that fits while ``k + 1`` does not."""
+    """Gallop up from ``base`` by doubling, then narrow down (interpolation, bisection as the safeguard) to the
+    member ``k`` that fits while ``k + 1`` does not. Each candidate is built on the meta device and planned."""
     plans: dict[int, CapacityPlan] = {_family_index(base, scale): base_plan}
 
     def plan_of(k: int) -> CapacityPlan:
@@ -587,9 +660,14 @@ def _find_largest(base: GPTConfig, scale: Scale, settings: _Settings, *, base_pl
         )
     else:
         lo, hi = 1, k0
+    interpolate = True
     while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
+        width = hi - lo
+        guess = _interpolate(lo, plan_of(lo), hi, plan_of(hi)) if interpolate else None
+        mid = guess if guess is not None else (lo + hi) // 2
         lo, hi = (mid, hi) if plan_of(mid).fits else (lo, mid)
+        # bisect next whenever interpolating did not halve the interval (slow one-sided convergence)
+        interpolate = guess is None or 2 * (hi - lo) <= width
     best = plan_of(lo)
     nxt = plan_of(hi) if hi is not None else None
     return LargestModel(
@@ -615,6 +693,7 @@ def plan_capacity(
     chunk_size: int | str = "auto",
     optimizer: str = "adam",
     accumulate_grad_batches: int = 1,
+    cpu_embedding: bool = False,
     overrides: Mapping[str, Any] | None = None,
     search_largest: bool = True,
     scale: Scale | str = Scale.BOTH,
@@ -624,11 +703,16 @@ def plan_capacity(
     ``target``: a demo GPT config YAML path, ``pkg.module:factory``, a zero-argument factory or a module
     (any of them built on the meta device; a module given as such is read, never copied). For a demo GPT,
     ``search_largest`` also finds the largest member of its family that fits, growing ``scale``.
+    The other options are the strategy's (``chunk_size``, ``cpu_embedding``) and the run's (precision,
+    optimizer, gradient accumulation, number of ranks); both budgets are per rank.
     """
-    accepted = [s.value for s in Scale]
-    if str(getattr(scale, "value", scale)) not in accepted:
-        raise ValueError(f"`scale` must be one of {accepted}, got {scale!r}.")
-    scale = Scale(getattr(scale, "value", scale))
+    try:
+        scale = Scale(scale)
+    except ValueError:
+        accepted = [s.value for s in Scale]
+        raise ValueError(
+            f"`scale` must be one of {accepted}, got {scale!r}. HINT: 'both' grows depth and width together."
+        ) from None
     settings = _settings(
         device_memory=device_memory,
         host_memory=host_memory,
@@ -637,6 +721,7 @@ def plan_capacity(
         chunk_size=chunk_size,
         optimizer=optimizer,
         accumulate_grad_batches=accumulate_grad_batches,
+        cpu_embedding=cpu_embedding,
     )
     module, description, gpt_config = build_meta_model(target, overrides=overrides)
     plan = _plan_module(module, description, settings)
@@ -683,13 +768,22 @@ def _parser() -> argparse.ArgumentParser:
         " Exit status: 0 fits, 1 does not fit, 2 bad input.",
     )
     parser.add_argument("target", help="model config YAML (e.g. configs/model/gpt_small.yaml) or pkg.module:factory")
-    parser.add_argument("--device-memory", type=_byte_size, required=True, help="device budget per rank, e.g. 80GiB")
-    parser.add_argument("--host-memory", type=_byte_size, required=True, help="host RAM budget per rank, e.g. 512GiB")
+    parser.add_argument(
+        "--device-memory", type=_byte_size, required=True,
+        help="chunk budget per rank on the device, e.g. 80GiB: the strategy's device_memory_limit (its default is"
+        " device_memory_fraction=0.8 of the accelerator)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-memory", type=_byte_size, required=True,
+        help="chunk budget per rank in host RAM, e.g. 512GiB: the strategy's host_memory_limit (its default is"
+        " host_memory_fraction=0.8 of the RAM divided by the ranks of a node)",
+    )  # fmt: skip
     parser.add_argument("--world-size", type=int, default=1, help="number of ranks (ZeRO-DP over chunks)")
     parser.add_argument("--precision", choices=list(_COMPUTE_ITEMSIZE), default="bf16-mixed")
     parser.add_argument("--chunk-size", type=_chunk_size, default="auto", help="'auto' or elements per chunk")
     parser.add_argument("--optimizer", choices=list(_OPTIMIZER_STATE_BYTES), default="adam")
     parser.add_argument("--accumulate-grad-batches", type=int, default=1, help="> 1 adds fp32 gradient sums")
+    parser.add_argument("--cpu-embedding", action="store_true", help="embeddings fp32 on HOST, outside chunks")
     parser.add_argument(
         "--set", dest="overrides", type=_assignment, action="append", default=[], metavar="KEY=VALUE",
         help="override a GPT size (n_layer, n_embd, n_head, vocab_size, block_size) or pass a factory argument",
@@ -713,6 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             chunk_size=args.chunk_size,
             optimizer=args.optimizer,
             accumulate_grad_batches=args.accumulate_grad_batches,
+            cpu_embedding=args.cpu_embedding,
             overrides=dict(args.overrides),
             search_largest=not args.no_largest,
             scale=args.scale,

@@ -26,6 +26,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_pstar.chunk_manager import ChunkManager, MemoryReport
+from lightning_pstar.comm import ChunkComm
 from lightning_pstar.config import LossScaleConfig, PStarConfig
 from lightning_pstar.hooks import ModelHooks
 from lightning_pstar.optim import ChunkedOptimizer
@@ -89,6 +90,7 @@ class PatrickStarStrategy(DDPStrategy):
         self._manager: ChunkManager | None = None
         self._hooks: ModelHooks | None = None
         self._final_report: MemoryReport | None = None
+        self._failed = False  # an exception ended the run: teardown must not start collectives
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -145,11 +147,6 @@ class PatrickStarStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         assert self.lightning_module is not None
-        if self.world_size > 1:
-            raise NotImplementedError(
-                f"PatrickStar runs on one process in this release; this run has world size {self.world_size}."
-                " HINT: use devices=1 and num_nodes=1."
-            )
         self.accelerator.setup(trainer)
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
@@ -160,7 +157,11 @@ class PatrickStarStrategy(DDPStrategy):
             compute_dtype=precision.compute_dtype,
             device=self.root_device,
             precision=str(precision.precision),
-            world_size=self.world_size,
+            comm=ChunkComm(
+                rank=self.global_rank,
+                world_size=self.world_size,
+                group=torch.distributed.group.WORLD if self.world_size > 1 else None,
+            ),
             local_world_size=self.num_processes,
             accumulates=trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1,
         )  # plans and validates; nothing has changed yet
@@ -302,6 +303,10 @@ class PatrickStarStrategy(DDPStrategy):
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
+        if self._manager is not None and self._failed and self._manager.world_size > 1:
+            # another rank may be stuck in (or gone from) a collective: no gathering now
+            self._final_report = self._manager.memory_report()
+            self._manager = None
         if self._manager is not None:
             # hand back an ordinary module (fp32 weights on CPU, as Lightning's own teardown leaves it) and
             # the user's own optimizers holding the trained state, so that `trainer.save_checkpoint` after
@@ -318,8 +323,40 @@ class PatrickStarStrategy(DDPStrategy):
             ]
         super().teardown()
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    def memory_report_all(self) -> list[MemoryReport]:
+        """Every rank's report, in rank order (a collective: call it on every rank)."""
+        manager = self._require_manager()
+        return manager.comm.all_gather_object(manager.memory_report())
+
+    @staticmethod
+    def format_rank_summary(reports: list[MemoryReport]) -> str:
+        """One line per rank and the totals, for rank 0 to print."""
+
+        def mib(n: int | None) -> str:
+            return "unlimited" if n is None else f"{n / 2**20:.1f} MiB"
+
+        lines = ["rank  model data   device chunks  host chunks  h2d        d2h        evictions"]
+        for r in reports:
+            lines.append(
+                f"{r.rank:>4}  {mib(r.model_data_bytes):>11}  {mib(r.device_chunk_bytes):>13}"
+                f"  {mib(r.host_chunk_bytes):>11}  {mib(r.h2d_bytes):>9}  {mib(r.d2h_bytes):>9}  {r.evictions:>9}"
+            )
+        total = sum(r.model_data_bytes for r in reports)
+        lines.append(f"total model data over {len(reports)} ranks: {mib(total)}")
+        return "\n".join(lines)
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="PatrickStar chunk-based memory management")
+        entries = (
+            (cls.strategy_name, "popen", "PatrickStar chunk-based memory management"),
+            ("patrickstar_spawn", "spawn", "PatrickStar, processes started with torch.multiprocessing (notebooks)"),
+        )
+        for name, start_method, description in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, start_method=start_method)

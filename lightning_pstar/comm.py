@@ -1,0 +1,85 @@
+"""Ownership math and the collectives of ZeRO data parallelism with chunks.
+
+Chunk *i* belongs to communication group ``i // world_size`` and is owned by rank ``i % world_size``.
+Every collective goes through :class:`ChunkComm` with an explicit process group (NCCL on GPUs, gloo on
+CPUs); nothing here talks to the default group implicitly. With one rank every operation is the identity
+and no process group is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ChunkComm", "group_of", "owner_of"]
+
+
+def owner_of(chunk_id: int, world_size: int) -> int:
+    """The rank that owns chunk ``chunk_id``."""
+    return chunk_id % world_size
+
+
+def group_of(chunk_id: int, world_size: int) -> int:
+    """The communication group of chunk ``chunk_id``."""
+    return chunk_id // world_size
+
+
+class ChunkComm:
+    """Collectives over one process group, for chunks."""
+
+    def __init__(self, *, rank: int, world_size: int, group: Any | None = None) -> None:
+        if world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(
+                f"world size {world_size} needs an initialised torch.distributed process group."
+                " HINT: launch through the Trainer (devices/num_nodes) or torchrun."
+            )
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.gathered_bytes = 0  # bytes received by all-gathers
+        self.reduced_bytes = 0  # bytes sent to reduce-scatters
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_gather_chunks(self, buffers: Sequence[torch.Tensor], rank_in_group: int) -> None:
+        """Fill ``buffers`` (one chunk buffer per rank, same size) from their owners."""
+        if not self.distributed:
+            return
+        dist.all_gather(list(buffers), buffers[rank_in_group], group=self.group)
+        self.gathered_bytes += sum(b.numel() * b.element_size() for i, b in enumerate(buffers) if i != rank_in_group)
+
+    def reduce_scatter_chunks(self, inputs: Sequence[torch.Tensor], output: torch.Tensor) -> None:
+        """``output`` (this rank's chunk) = the mean over ranks of ``inputs[rank]``."""
+        if not self.distributed:
+            output.copy_(inputs[0])
+            return
+        dist.reduce_scatter(output, list(inputs), op=dist.ReduceOp.SUM, group=self.group)
+        output.div_(self.world_size)
+        self.reduced_bytes += sum(t.numel() * t.element_size() for t in inputs)
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.distributed:
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
