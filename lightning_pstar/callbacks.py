@@ -122,13 +122,17 @@ def plot_tide(report: MemoryReport, path: str | os.PathLike[str]) -> Path:
         )
     stride = max(1, -(-len(labels) // _MAX_TICK_LABELS))  # ceil division
     ticks = x[::stride]
+    if ticks[-1] != x[-1] and x[-1] - ticks[-1] >= stride / 2:
+        ticks.append(x[-1])  # the optimizer step, unless its label would collide with the previous one
     ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=60, ha="right", fontsize=8)
     ax.set_xlim(-0.5, len(x) - 0.5)
     ax.set_xlabel("moment of the iteration")
     ax.set_ylabel("MiB")
+    top = max([a + b for a, b in zip(non_model, chunks, strict=True)] + [report.device_memory_limit or 0])
+    ax.set_ylim(0, max(1.0, top / _MIB * 1.2))  # head room for the legend above the tide and the budget
     ax.set_title(
-        f"PatrickStar tide: model data {_fmt_bytes(report.model_data_bytes)}, placement {report.placement},"
-        f" peak non-model {_fmt_bytes(report.peak_non_model_bytes)}, optimizer on {report.optimizer_tier}"
+        f"PatrickStar tide, placement {report.placement}: model data {_fmt_bytes(report.model_data_bytes)},"
+        f" peak non-model {_fmt_bytes(report.peak_non_model_bytes)}\noptimizer on {report.optimizer_tier}"
     )
     ax.legend(loc="upper right")
     ax.grid(axis="y", alpha=0.3)

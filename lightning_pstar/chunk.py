@@ -143,6 +143,11 @@ class Chunk:
         return ChunkState.HOLD
 
     @property
+    def host_buffer(self) -> torch.Tensor | None:
+        """The HOST buffer, once created (its storage is empty while the chunk is on DEVICE)."""
+        return self._host_buffer
+
+    @property
     def device_buffer(self) -> torch.Tensor:
         """The DEVICE buffer; parameter views are taken from it once (see the storage-identity note)."""
         return self._device_buffer

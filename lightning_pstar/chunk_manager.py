@@ -180,7 +180,7 @@ class ChunkManager:
         # mixed precision keeps an fp32 gradient sum per trainable family while accumulating micro-batches
         self.accumulates = accumulates
         self.stats = TransferStats()
-        self.tracer = MemoryTracer(device, lambda: self.stats.per_tier_bytes[Tier.DEVICE])
+        self.tracer = MemoryTracer(device, lambda: self.stats.per_tier_bytes[Tier.DEVICE], self._chunk_storage_ptrs)
         self.policy = (
             policy
             if policy is not None
@@ -356,6 +356,15 @@ class ChunkManager:
                 f" {_fmt_bytes(self.device_budget)}. HINT: raise device_memory_limit to at least {need}"
                 " bytes or use a smaller chunk_size."
             )
+        fraction = self.config.static_chunk_fraction
+        if self.policy.name == "static" and self.device_budget is not None and need > self.device_budget * fraction:
+            raise MemoryBudgetError(
+                f"placement='static' gives chunks {_fmt_bytes(int(self.device_budget * fraction))}"
+                f" (static_chunk_fraction={fraction} of the {_fmt_bytes(self.device_budget)} device budget), but"
+                f" module '{where}' needs {_fmt_bytes(need)} of chunks resident at once. HINT: raise"
+                " device_memory_limit or static_chunk_fraction, use a smaller chunk_size, or use"
+                " placement='auto', which gives chunks the room activations leave at each moment."
+            )
         total = self._model_data_bytes(optimizer_bytes_per_elem=8)
         room = (self.device_budget if self.device_budget is not None else total) + self.host_budget
         if total > room:
@@ -428,6 +437,17 @@ class ChunkManager:
             self.layout.chunk_size,
             100 * self.layout.utilisation,
         )
+
+    def _chunk_storage_ptrs(self) -> set[int]:
+        """Addresses of every chunk storage now, on both tiers (the tracer tells model data from the rest)."""
+        ptrs: set[int] = set()
+        for chunk in self.iter_chunks():
+            for buf in (chunk.device_buffer, chunk.host_buffer):
+                if buf is not None:
+                    ptr = buf.untyped_storage().data_ptr()
+                    if ptr:
+                        ptrs.add(ptr)
+        return ptrs
 
     def owns(self, family: ChunkFamily) -> bool:
         """Whether this rank keeps ``family``'s chunks (always, on one rank)."""
@@ -637,6 +657,8 @@ class ChunkManager:
         if moment is not None and self.in_training:
             self.tracer.moment(moment[0], moment[1], tuple(families))
         protect = set(families)
+        if moment is not None and self.in_training:
+            self.ensure_device_room(0, protect=protect)  # the tide: the room may have shrunk at this moment
         if self.groups is not None:
             self.groups.ensure_gathered(list(families.values()), protect)
         for family in families.values():
@@ -658,7 +680,11 @@ class ChunkManager:
         ]
         if not wanted:
             return
+        # the chunks fetched now must fit this moment's room and the next one's
         room = self.policy.chunk_room(self.device_budget, self._min_device_bytes)
+        room_next = self.policy.next_chunk_room(self.device_budget, self._min_device_bytes)
+        if room is not None and room_next is not None:
+            room = min(room, room_next)
         for fid in wanted:
             chunk = self.families[fid].param_chunk
             if room is not None and self._device_used() + chunk.nbytes > room:

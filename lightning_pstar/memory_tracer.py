@@ -88,10 +88,16 @@ class _SavedToken:
 class MemoryTracer:
     """Records the warm-up trace; afterwards, follows the iteration along it."""
 
-    def __init__(self, device: torch.device, chunk_bytes_on_device: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        chunk_bytes_on_device: Callable[[], int],
+        chunk_storage_ptrs: Callable[[], set[int]] = set,
+    ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self._chunk_bytes = chunk_bytes_on_device
+        self._chunk_storage_ptrs = chunk_storage_ptrs
         self.trace = Trace()
         self.recording = False
         self.warmed_up = False
@@ -100,18 +106,18 @@ class MemoryTracer:
         self._live = 0  # simulated device: bytes of saved tensors alive now
         self._peak = 0  # simulated device: peak of ``_live`` since the last moment
         self._pending: tuple[MomentKind, int, tuple[int, ...]] | None = None
-        self._chunk_ptrs: set[int] = set()
 
     # ---- saved-tensor accounting (simulated device) ------------------------------------------------------
     def _release(self, nbytes: int) -> None:
         self._live -= nbytes
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        # a view of a chunk (on either tier; chunks move and re-allocate during the step): model data
+        if storage.data_ptr() in self._chunk_storage_ptrs():
+            return tensor
         if tensor.device.type != self.device.type:
             return tensor
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in self._chunk_ptrs:
-            return tensor  # a view of a chunk: model data, already accounted
         nbytes = storage.nbytes()
         self._live += nbytes
         self._peak = max(self._peak, self._live)
@@ -122,12 +128,11 @@ class MemoryTracer:
         return packed[0] if isinstance(packed, tuple) else packed
 
     @contextmanager
-    def watch(self, chunk_storage_ptrs: Sequence[int]) -> Generator[None, None, None]:
+    def watch(self) -> Generator[None, None, None]:
         """Count saved tensors during a recorded training step (no-op outside recording or on CUDA)."""
         if not self.recording or self.cuda:
             yield
             return
-        self._chunk_ptrs = {p for p in chunk_storage_ptrs if p}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 

@@ -41,6 +41,10 @@ class PlacementPolicy(Protocol):
         """Bytes chunks may occupy on the device at the current moment (None: unlimited)."""
         ...
 
+    def next_chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
+        """Bytes chunks may occupy at the next moment (for prefetching; None: unlimited or unknown)."""
+        ...
+
     def touch(self, chunk: Chunk, tick: int) -> None:
         """Record that ``chunk`` was accessed at ``tick`` (a counter that only grows)."""
         ...
@@ -96,7 +100,10 @@ class StaticPlacement:
     def chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
         if device_budget is None:
             return None
-        return max(min_bytes, int(device_budget * self.chunk_fraction))
+        return int(device_budget * self.chunk_fraction)  # setup checked that one module's chunks fit
+
+    def next_chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
+        return self.chunk_room(device_budget, min_bytes)
 
     def touch(self, chunk: Chunk, tick: int) -> None:
         self._last_use[chunk.chunk_id] = tick
@@ -135,7 +142,15 @@ class AutoPlacement:
             return max(min_bytes, int(device_budget * self.warmup_fraction))
         if not tracer.matches or tracer.cursor < 0:
             return max(min_bytes, device_budget - tracer.trace.peak_non_model)
-        return max(min_bytes, device_budget - tracer.trace.moments[tracer.cursor].non_model_bytes)
+        # the end of warm-up checked that every moment's chunks fit beside its non-model memory
+        return device_budget - tracer.trace.moments[tracer.cursor].non_model_bytes
+
+    def next_chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
+        if device_budget is None or not self._planning:
+            return None
+        moments = self.tracer.trace.moments
+        nxt = (self.tracer.cursor + 1) % len(moments)
+        return device_budget - moments[nxt].non_model_bytes
 
     def touch(self, chunk: Chunk, tick: int) -> None:
         self._last_use[chunk.chunk_id] = tick

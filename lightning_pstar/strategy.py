@@ -212,8 +212,7 @@ class PatrickStarStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         manager = self._require_manager()
-        ptrs = [c.device_buffer.untyped_storage().data_ptr() for c in manager.iter_chunks()]
-        with manager.tracer.watch(ptrs):
+        with manager.tracer.watch():
             return super().training_step(*args, **kwargs)
 
     @override
