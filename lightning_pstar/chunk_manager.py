@@ -873,9 +873,9 @@ class ChunkManager:
             raise RuntimeError(f"the slot of '{record.slot.name}' holds a gradient; no weight to read now")
         return chunk.slot_view(record.slot)
 
-    def family_values(self, family: ChunkFamily) -> torch.Tensor:
-        """The fp32 truth of a whole family (1-D, capacity), from its owner on every rank (a collective when
-        there are several ranks; on one rank a view of the chunk on its tier)."""
+    def family_values(self, family: ChunkFamily, *, rank0_only: bool = False) -> torch.Tensor:
+        """The fp32 truth of a whole family (1-D, capacity), from its owner on every rank, or only on rank 0
+        with ``rank0_only`` (a collective when there are several ranks; on one rank a view of the chunk)."""
         chunk = family.chunks.get(ChunkKind.MASTER) if self.owns(family) else None
         if chunk is None and self.owns(family):
             chunk = family.param_chunk
@@ -885,10 +885,16 @@ class ChunkManager:
         out = torch.empty(family.capacity, dtype=torch.float32, device=self.device)
         if chunk is not None:
             out.copy_(chunk.data)
-        return self.comm.broadcast_(out, src=family.family_id % self.world_size)
+        owner = family.family_id % self.world_size
+        if rank0_only:
+            return self.comm.to_rank0_(out, src=owner)
+        return self.comm.broadcast_(out, src=owner)
 
-    def _all_values(self) -> dict[int, torch.Tensor]:
-        """Record index -> fp32 value of every parameter, family by family (see :meth:`family_values`)."""
+    def _all_values(self, *, rank0_only: bool = False, to_cpu: bool = False) -> dict[int, torch.Tensor]:
+        """Record index -> fp32 value of every parameter, family by family (see :meth:`family_values`).
+
+        With ``rank0_only`` other ranks get an empty dict, and rank 0 holds one model copy plus one chunk.
+        """
         values: dict[int, torch.Tensor] = {}
         for family in self.families:
             if not family.records:
@@ -896,18 +902,25 @@ class ChunkManager:
             if self.groups is None:
                 for record in family.records:
                     self.master_view(record)  # raises if a slot holds a gradient instead of a weight
-            flat = self.family_values(family)
+            flat = self.family_values(family, rank0_only=rank0_only)
+            if rank0_only and self.rank != 0:
+                continue
             for record in family.records:
-                values[record.index] = flat[record.slot.offset : record.slot.offset + record.slot.numel].view(
-                    record.slot.shape
-                )
+                value = flat[record.slot.offset : record.slot.offset + record.slot.numel].view(record.slot.shape)
+                values[record.index] = value.to("cpu", copy=True) if to_cpu else value
         return values
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's ``state_dict`` with fp32 CPU copies of every parameter under each of its names."""
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` with fp32 CPU copies of every parameter under each of its names.
+
+        With ``rank0_only`` (what checkpoints use) the weights stream family by family to rank 0 and the
+        other ranks return an empty dict.
+        """
         with torch.no_grad():
-            by_index = self._all_values()
-            values = {id(r.param): by_index[r.index].detach().to("cpu", copy=True) for r in self.records}
+            by_index = self._all_values(rank0_only=rank0_only, to_cpu=True)
+            if rank0_only and self.rank != 0:
+                return {}
+            values = {id(r.param): by_index[r.index] for r in self.records}
             out: dict[str, torch.Tensor] = {}
             for key, tensor in self.module.state_dict(keep_vars=True).items():
                 if id(tensor) in values:
@@ -961,6 +974,56 @@ class ChunkManager:
             for key, value in state_dict.items():
                 if key in buffers and key not in param_names:
                     buffers[key].copy_(value)
+
+    # ---- sharded checkpoints ---------------------------------------------------------------------------
+    def owned_tensors(self) -> dict[str, torch.Tensor]:
+        """``model/<name>`` -> fp32 CPU value of every parameter this rank owns (a sharded save)."""
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for family in self.families:
+                if not family.records or not self.owns(family):
+                    continue
+                flat = self.family_values(family).detach().to("cpu")
+                for record in family.records:
+                    sl = flat[record.slot.offset : record.slot.offset + record.slot.numel]
+                    out[f"model/{record.names[0]}"] = sl.view(record.slot.shape).clone()
+        return out
+
+    def sharded_info(self) -> dict[str, Any]:
+        """What a sharded checkpoint needs to rebuild an ordinary state_dict (names, aliases, dtypes)."""
+        keys = list(self.module.state_dict(keep_vars=True).keys())
+        canonical = {name: r.names[0] for r in self.records for name in r.names}
+        dtypes = {name: str(r.orig_dtype).replace("torch.", "") for r in self.records for name in r.names}
+        return {"state_dict_keys": keys, "canonical": canonical, "dtypes": dtypes}
+
+    def load_owned_tensors(self, stored: Mapping[str, torch.Size], read: Any, buffers: Mapping[str, Any]) -> None:
+        """Load a sharded checkpoint's weights: check names and shapes first, then read what this rank owns."""
+        expected = {f"model/{r.names[0]}": r for r in self.records}
+        stored_model = {k for k in stored if k.startswith("model/")}
+        missing = sorted(k[len("model/") :] for k in set(expected) - stored_model)
+        unexpected = sorted(k[len("model/") :] for k in stored_model - set(expected))
+        if missing or unexpected:
+            raise KeyError(
+                f"the sharded checkpoint does not match the model: missing keys {missing}, unexpected keys"
+                f" {unexpected}. HINT: use a checkpoint of this model."
+            )
+        for key, record in expected.items():
+            if tuple(stored[key]) != tuple(record.slot.shape):
+                raise ValueError(
+                    f"the sharded checkpoint stores '{key[len('model/') :]}' with shape {tuple(stored[key])}, the"
+                    f" model has {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model."
+                )
+        wanted = {k: stored[k] for k, r in expected.items() if self.owns(r.family)}
+        values = read(wanted)
+        with torch.no_grad():
+            for key, value in values.items():
+                record = expected[key]
+                self._fill_slot(record, value)
+                record.slot_holds_grad = False
+            named = dict(self.module.named_buffers())
+            for key, value in buffers.items():
+                if key in named:
+                    named[key].copy_(value)
 
     # ---- teardown -------------------------------------------------------------------------------------
     def restore_module(self, device: torch.device) -> None:

@@ -77,6 +77,16 @@ class ChunkComm:
             dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
+    def to_rank0_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Bring ``tensor`` from rank ``src`` to rank 0 (point to point; other ranks do nothing)."""
+        if not self.distributed or src == 0:
+            return tensor
+        if self.rank == src:
+            dist.send(tensor, dst=dist.get_global_rank(self.group, 0) if self.group is not None else 0)
+        elif self.rank == 0:
+            dist.recv(tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src)
+        return tensor
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]

@@ -130,6 +130,11 @@ class PStarConfig:
     warmup_chunk_fraction: float = 0.25
     """``placement="auto"``: share of the device budget chunks may use during the warm-up iteration, while
     non-model memory is measured (0, 1]; never less than one module's chunks."""
+    checkpoint: str = "consolidated"
+    """How checkpoints are written: "consolidated" (one ordinary Lightning file with the model's own names and
+    torch's optimizer layout, gathered family by family to rank 0) or "sharded" (a directory in which every
+    rank writes what it owns with torch.distributed.checkpoint; loads at any world size; turn it into one file
+    with ``python -m lightning_pstar.consolidate DIR OUT.ckpt``)."""
     cpu_embedding: bool = False
     """Keep ``nn.Embedding`` weights fp32 on the host, outside the chunks: the lookup runs on the host and
     only its output moves to the device. Frees the largest tensor from setting the chunk size. Embeddings
@@ -157,6 +162,8 @@ class PStarConfig:
                 f"`chunk_size` must be a positive number of elements or 'auto', got {self.chunk_size!r}."
                 " HINT: use chunk_size='auto' to let the strategy pick it."
             )
+        if self.checkpoint not in ("consolidated", "sharded"):
+            raise ValueError(f"`checkpoint` must be 'consolidated' or 'sharded', got {self.checkpoint!r}.")
         accepted = [p.value for p in Placement]
         if self.placement not in accepted:
             raise ValueError(f"`placement` must be one of {accepted}, got {self.placement!r}.")

@@ -186,9 +186,21 @@ class ChunkedOptimizer(Optimizer):
         """Unscaled fp32 gradients of host-resident parameters (cpu_embedding), keyed by parameter id."""
         out: dict[int, torch.Tensor] = {}
         inv_scale = self.gradient_policy.inv_scale
+        comm = self._manager.comm
         for group in self.param_groups:
             for p in group["params"]:
-                if id(p) in self._host_group and p.grad is not None:
+                if id(p) not in self._host_group:
+                    continue
+                if comm.distributed:
+                    # host parameters are replicated on every rank: average their gradients like DDP
+                    g = p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+                    flag = torch.tensor([0.0 if p.grad is None else 1.0])
+                    comm.all_reduce_max_(flag)
+                    comm.all_reduce_sum_(g)
+                    if flag.item() == 0.0:
+                        continue
+                    out[id(p)] = g.mul_(inv_scale / comm.world_size)
+                elif p.grad is not None:
                     g = p.grad.float()
                     out[id(p)] = g.mul_(inv_scale) if g is not p.grad else g.mul(inv_scale)
         return out
@@ -423,10 +435,14 @@ class ChunkedOptimizer(Optimizer):
                 out.append((len(out), p))
         return out
 
-    def _record_states(self) -> dict[int, dict[str, torch.Tensor]]:
+    def _record_states(
+        self, *, rank0_only: bool = False, owned_only: bool = False
+    ) -> dict[int, dict[str, torch.Tensor]]:
         """Record index -> its optimizer state (CPU tensors, torch's names), for every record on every rank.
 
-        With several ranks each family's state comes from its owner (a broadcast per family, in order).
+        With several ranks each family's state comes from its owner (a broadcast per family, in order);
+        ``rank0_only`` streams it to rank 0 alone, ``owned_only`` reads only this rank's families (no
+        communication).
         """
         manager = self._manager
         kinds = [k for k in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ) if self._is_adam or k is ChunkKind.EXP_AVG]
@@ -435,8 +451,10 @@ class ChunkedOptimizer(Optimizer):
             if not family.trainable or not family.records:
                 continue
             owned = manager.owns(family)
+            if owned_only and not owned:
+                continue
             present = [k for k in kinds if owned and k in family.chunks]
-            if manager.comm.distributed:
+            if manager.comm.distributed and not owned_only:
                 # owner packs [states..., steps] so one broadcast carries the family
                 width = len(kinds) * family.capacity + len(family.records)
                 packed = torch.zeros(width, dtype=torch.float32, device=manager.device)
@@ -445,7 +463,13 @@ class ChunkedOptimizer(Optimizer):
                         packed[i * family.capacity : (i + 1) * family.capacity].copy_(family.chunks[kind].data)
                     steps = [self._record_step(r) for r in family.records]
                     packed[len(kinds) * family.capacity :].copy_(torch.tensor(steps, dtype=torch.float32))
-                manager.comm.broadcast_(packed, src=family.family_id % manager.world_size)
+                owner = family.family_id % manager.world_size
+                if rank0_only:
+                    manager.comm.to_rank0_(packed, src=owner)
+                    if manager.rank != 0:
+                        continue
+                else:
+                    manager.comm.broadcast_(packed, src=owner)
                 packed = packed.cpu()
                 chunks = {k: packed[i * family.capacity : (i + 1) * family.capacity] for i, k in enumerate(kinds)}
                 steps = packed[len(kinds) * family.capacity :].tolist()
@@ -474,9 +498,13 @@ class ChunkedOptimizer(Optimizer):
             return -1.0 if step is None else float(step)
         return 0.0 if record.index in self._momentum_started else -1.0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """torch's layout (``state`` by parameter index, ``param_groups``), consolidated from every rank.
+
+        ``rank0_only`` (what checkpoints use) streams the states to rank 0; other ranks get empty states.
+        """
         manager = self._manager
-        record_states = self._record_states()
+        record_states = self._record_states(rank0_only=rank0_only)
         state: dict[int, dict[str, Any]] = {}
         for index, p in self._ordered_params():
             if id(p) in self._host_group:
@@ -494,6 +522,40 @@ class ChunkedOptimizer(Optimizer):
             start += len(group["params"])
             groups.append(packed)
         return {"state": state, "param_groups": groups}
+
+    def owned_state_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """``<prefix><index>/<field>`` -> tensor for the states this rank owns (a sharded save)."""
+        manager = self._manager
+        states = self._record_states(owned_only=True)
+        out: dict[str, torch.Tensor] = {}
+        for index, p in self._ordered_params():
+            if id(p) in self._host_group:
+                if manager.rank == 0:
+                    for field, value in self._host_state.get(id(p), {}).items():
+                        out[f"{prefix}{index}/{field}"] = value.detach().to("cpu", copy=True).reshape(-1)
+                continue
+            entry = states.get(manager.record_of(p).index)
+            for field, value in (entry or {}).items():
+                out[f"{prefix}{index}/{field}"] = value.reshape(-1) if field == "step" else value
+        return out
+
+    def load_owned_state(self, stored: dict[str, torch.Size], prefix: str, read: Any, groups: list[Any]) -> None:
+        """Load a sharded checkpoint's optimizer states: the groups' hyper-parameters and this rank's states."""
+        manager = self._manager
+        wanted: dict[str, torch.Size] = {}
+        for index, p in self._ordered_params():
+            mine = id(p) in self._host_group or manager.owns(manager.record_of(p).family)
+            if not mine:
+                continue
+            for key, shape in stored.items():
+                if key.startswith(f"{prefix}{index}/"):
+                    wanted[key] = shape
+        values = read(wanted)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in values.items():
+            index, field = key[len(prefix) :].split("/")
+            state.setdefault(int(index), {})[field] = value.reshape(()) if field == "step" else value
+        self.load_state_dict({"state": state, "param_groups": groups})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict.get("param_groups")

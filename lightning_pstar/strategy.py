@@ -13,6 +13,7 @@ import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -25,6 +26,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
+from lightning_pstar.checkpoint import (
+    SHARDED_KEY,
+    SafeCheckpointIO,
+    read_sharded_tensors,
+    stored_keys,
+    write_sharded,
+)
 from lightning_pstar.chunk_manager import ChunkManager, MemoryReport
 from lightning_pstar.comm import ChunkComm
 from lightning_pstar.config import LossScaleConfig, PStarConfig
@@ -60,6 +68,7 @@ class PatrickStarStrategy(DDPStrategy):
         static_chunk_fraction: float = _D.static_chunk_fraction,
         warmup_chunk_fraction: float = _D.warmup_chunk_fraction,
         cpu_embedding: bool = _D.cpu_embedding,
+        checkpoint: str = _D.checkpoint,
         loss_scale: LossScaleConfig | Mapping[str, Any] | None = None,
         config: PStarConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -82,6 +91,7 @@ class PatrickStarStrategy(DDPStrategy):
                 static_chunk_fraction=static_chunk_fraction,
                 warmup_chunk_fraction=warmup_chunk_fraction,
                 cpu_embedding=cpu_embedding,
+                checkpoint=checkpoint,
                 loss_scale=LossScaleConfig(**loss_scale)
                 if isinstance(loss_scale, Mapping)
                 else (loss_scale or LossScaleConfig()),
@@ -95,7 +105,7 @@ class PatrickStarStrategy(DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else SafeCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -260,18 +270,85 @@ class PatrickStarStrategy(DDPStrategy):
             self._manager.settle()
 
     # ---- checkpoints ----------------------------------------------------------------------------------
+    @property
+    def _sharded(self) -> bool:
+        return self.config.checkpoint == "sharded"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._manager is None:
             return super().lightning_module_state_dict()
-        return self._manager.full_state_dict()
+        if self._sharded:
+            # the weights go to the sharded store; the checkpoint dict keeps the buffers
+            return {k: v.detach().cpu() for k, v in self._manager.module.named_buffers()}
+        return self._manager.full_state_dict(rank0_only=True)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if not isinstance(inner, ChunkedOptimizer):
+            return super().optimizer_state(optimizer)
+        if self._sharded:
+            return {"state": {}, "param_groups": inner.state_dict(rank0_only=True)["param_groups"]}
+        return inner.state_dict(rank0_only=True)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._sharded or self._manager is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        manager = self._manager
+        tensors = manager.owned_tensors()
+        for k, opt in enumerate(self.optimizers):
+            inner = getattr(opt, "_optimizer", opt)
+            if isinstance(inner, ChunkedOptimizer):
+                tensors.update(inner.owned_state_tensors(f"optim/{k}/"))
+        meta = dict(checkpoint)
+        info = manager.sharded_info()
+        info["param_groups"] = [state["param_groups"] for state in checkpoint.get("optimizer_states", [])]
+        meta[SHARDED_KEY + "_info"] = info
+        meta[SHARDED_KEY] = True
+        meta["optimizer_states"] = []
+        write_sharded(Path(filepath), meta=meta, tensors=tensors, rank=self.global_rank, barrier=self.barrier)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._manager is None:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
+        if checkpoint.get(SHARDED_KEY):
+            path = Path(checkpoint[SHARDED_KEY])
+            stored = stored_keys(path)
+            self._manager.load_owned_tensors(
+                stored, lambda wanted: read_sharded_tensors(path, wanted), checkpoint.get("state_dict", {})
+            )
+            return
         self._manager.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not checkpoint.get(SHARDED_KEY):
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        path = Path(checkpoint[SHARDED_KEY])
+        stored = stored_keys(path)
+        groups = checkpoint[SHARDED_KEY + "_info"]["param_groups"]
+        for k, opt in enumerate(self.optimizers):
+            inner = getattr(opt, "_optimizer", opt)
+            if isinstance(inner, ChunkedOptimizer):
+                inner.load_owned_state(
+                    stored, f"optim/{k}/", lambda wanted: read_sharded_tensors(path, wanted), groups[k]
+                )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     # ---- reporting ------------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
