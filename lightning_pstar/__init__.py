@@ -6,9 +6,10 @@ Importing the package registers the strategy name ``"patrickstar"`` with Lightni
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pstar.chunk_manager import MemoryBudgetError, MemoryReport
+from lightning_pstar.chunk_manager import MemoryBudgetError
 from lightning_pstar.config import LossScaleConfig, Placement, PStarConfig
 from lightning_pstar.precision import PatrickStarPrecision
+from lightning_pstar.report import MemoryReport
 from lightning_pstar.strategy import PatrickStarStrategy
 
 __all__ = [

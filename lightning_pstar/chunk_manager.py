@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -24,7 +24,9 @@ from lightning_pstar.groups import GroupCoordinator
 from lightning_pstar.layout import Layout, ParamSpec, plan_layout, search_chunk_size
 from lightning_pstar.memory_tracer import MemoryTracer, MomentKind
 from lightning_pstar.placement import PlacementPolicy, make_policy
+from lightning_pstar.report import MemoryReport
 from lightning_pstar.state import TensorState, Tier
+from lightning_pstar.state_dicts import StateDictsMixin
 
 __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "ParamRecord"]
 
@@ -69,76 +71,6 @@ class ChunkFamily:
         return any(r.slot_holds_grad or r.grad_chunk_has_data for r in self.records)
 
 
-@dataclass(kw_only=True)
-class MemoryReport:
-    """What the engine holds and moved. Bytes unless said otherwise."""
-
-    precision: str
-    num_params: int  # unique parameter elements
-    num_chunks: int  # chunk families
-    chunk_size: int  # elements
-    chunk_utilisation: float  # parameter elements / param-chunk capacity
-    model_data_bytes: int  # every chunk allocated, all tiers
-    model_data_bytes_per_param: float  # slot bytes per parameter element, padding excluded
-    device_chunk_bytes: int
-    host_chunk_bytes: int
-    peak_device_chunk_bytes: int
-    h2d_bytes: int
-    d2h_bytes: int
-    evictions: int
-    device_memory_limit: int | None
-    host_memory_limit: int | None
-    optimizer_tier: str  # where the optimizer step runs, per chunk family
-    placement: str = "static"
-    prefetches: int = 0  # chunks fetched ahead of their moment
-    peak_non_model_bytes: int = 0  # warm-up peak of non-model memory on the device
-    moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
-    moment_device_chunk_bytes: list[int] = field(default_factory=list)  # per moment, last iteration seen
-    moment_labels: list[str] = field(default_factory=list)  # "fwd:3", "bwd:3", "step"
-    rank: int = 0
-    world_size: int = 1
-    gathered_bytes: int = 0  # received by all-gathers of chunk groups (ZeRO data parallelism)
-    reduced_bytes: int = 0  # sent to reduce-scatters of gradients
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        def fmt(n: int | None) -> str:
-            if n is None:
-                return "unlimited"
-            for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-                if abs(n) >= size:
-                    return f"{n / size:.2f} {unit} ({n} B)"
-            return f"{n} B"
-
-        rows = [
-            ("precision", self.precision),
-            ("parameters", f"{self.num_params:,}"),
-            ("chunks (families)", f"{self.num_chunks} x {self.chunk_size:,} elements"),
-            ("chunk utilisation", f"{self.chunk_utilisation:.1%}"),
-            ("model data", fmt(self.model_data_bytes)),
-            ("model data / param", f"{self.model_data_bytes_per_param:.2f} B"),
-            ("chunks on device", fmt(self.device_chunk_bytes)),
-            ("chunks on host", fmt(self.host_chunk_bytes)),
-            ("peak device chunks", fmt(self.peak_device_chunk_bytes)),
-            ("device budget", fmt(self.device_memory_limit)),
-            ("host budget", fmt(self.host_memory_limit)),
-            ("host -> device", fmt(self.h2d_bytes)),
-            ("device -> host", fmt(self.d2h_bytes)),
-            ("evictions", str(self.evictions)),
-            ("prefetches", str(self.prefetches)),
-            ("placement", self.placement),
-            ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),
-            ("optimizer runs on", self.optimizer_tier),
-            ("rank / world size", f"{self.rank} / {self.world_size}"),
-            ("all-gathered", fmt(self.gathered_bytes)),
-            ("reduce-scattered", fmt(self.reduced_bytes)),
-        ]
-        width = max(len(k) for k, _ in rows)
-        return "PatrickStar memory report\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-
 def host_ram_bytes() -> int:
     """Physical RAM of this machine."""
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -148,7 +80,7 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:,} bytes ({n / 2**20:.1f} MiB)"
 
 
-class ChunkManager:
+class ChunkManager(StateDictsMixin):
     """Owns every chunk of one model and the table from parameters to slots."""
 
     def __init__(
@@ -863,179 +795,6 @@ class ChunkManager:
                 record.grad_chunk_has_data = False
                 if record.slot.state is TensorState.HOLD_AFTER_BWD:
                     record.slot.set_state(TensorState.HOLD, chunk_id=family.family_id)
-
-    # ---- state dicts ----------------------------------------------------------------------------------
-    def master_view(self, record: ParamRecord) -> torch.Tensor:
-        """The fp32 truth of a parameter on whatever tier it lives (the param slot in 32-true, frozen too)."""
-        family = record.family
-        chunk = family.chunks.get(ChunkKind.MASTER, family.param_chunk)
-        if chunk is family.param_chunk and record.slot_holds_grad:
-            raise RuntimeError(f"the slot of '{record.slot.name}' holds a gradient; no weight to read now")
-        return chunk.slot_view(record.slot)
-
-    def family_values(self, family: ChunkFamily, *, rank0_only: bool = False) -> torch.Tensor:
-        """The fp32 truth of a whole family (1-D, capacity), from its owner on every rank, or only on rank 0
-        with ``rank0_only`` (a collective when there are several ranks; on one rank a view of the chunk)."""
-        chunk = family.chunks.get(ChunkKind.MASTER) if self.owns(family) else None
-        if chunk is None and self.owns(family):
-            chunk = family.param_chunk
-        if self.groups is None:
-            assert chunk is not None
-            return chunk.data if chunk.dtype == torch.float32 else chunk.data.float()
-        out = torch.empty(family.capacity, dtype=torch.float32, device=self.device)
-        if chunk is not None:
-            out.copy_(chunk.data)
-        owner = family.family_id % self.world_size
-        if rank0_only:
-            return self.comm.to_rank0_(out, src=owner)
-        return self.comm.broadcast_(out, src=owner)
-
-    def _all_values(self, *, rank0_only: bool = False, to_cpu: bool = False) -> dict[int, torch.Tensor]:
-        """Record index -> fp32 value of every parameter, family by family (see :meth:`family_values`).
-
-        With ``rank0_only`` other ranks get an empty dict, and rank 0 holds one model copy plus one chunk.
-        """
-        values: dict[int, torch.Tensor] = {}
-        for family in self.families:
-            if not family.records:
-                continue
-            if self.groups is None:
-                for record in family.records:
-                    self.master_view(record)  # raises if a slot holds a gradient instead of a weight
-            flat = self.family_values(family, rank0_only=rank0_only)
-            if rank0_only and self.rank != 0:
-                continue
-            for record in family.records:
-                value = flat[record.slot.offset : record.slot.offset + record.slot.numel].view(record.slot.shape)
-                values[record.index] = value.to("cpu", copy=True) if to_cpu else value
-        return values
-
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The model's ``state_dict`` with fp32 CPU copies of every parameter under each of its names.
-
-        With ``rank0_only`` (what checkpoints use) the weights stream family by family to rank 0 and the
-        other ranks return an empty dict.
-        """
-        with torch.no_grad():
-            by_index = self._all_values(rank0_only=rank0_only, to_cpu=True)
-            if rank0_only and self.rank != 0:
-                return {}
-            values = {id(r.param): by_index[r.index] for r in self.records}
-            out: dict[str, torch.Tensor] = {}
-            for key, tensor in self.module.state_dict(keep_vars=True).items():
-                if id(tensor) in values:
-                    record = self._by_id[id(tensor)]
-                    value = values[id(tensor)]
-                    out[key] = value if record.orig_dtype == value.dtype else value.to(record.orig_dtype)
-                else:
-                    out[key] = tensor.detach().to("cpu", copy=True)
-        return out
-
-    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-        """Load an ordinary ``state_dict`` into the chunks (masters and compute copies) and the buffers."""
-        expected = list(self.module.state_dict(keep_vars=True).keys())
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in set(expected)]
-        param_names = {n for r in self.records for n in r.names}
-        values: list[tuple[ParamRecord, torch.Tensor]] = []
-        for record in self.records:
-            key = next((n for n in record.names if n in state_dict), None)
-            if key is None:
-                continue
-            value = state_dict[key]
-            if tuple(value.shape) != tuple(record.slot.shape):
-                raise ValueError(
-                    f"state_dict['{key}'] has shape {tuple(value.shape)}, the model's parameter has"
-                    f" {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model configuration."
-                )
-            values.append((record, value))
-        # buffers and host-resident parameters (cpu_embedding) are loaded as they are
-        buffers: dict[str, torch.Tensor] = {**dict(self.module.named_buffers()), **self.host_params}
-        for key, value in state_dict.items():
-            if key in buffers and key not in param_names and tuple(value.shape) != tuple(buffers[key].shape):
-                raise ValueError(
-                    f"state_dict['{key}'] has shape {tuple(value.shape)}, the model's tensor has"
-                    f" {tuple(buffers[key].shape)}. HINT: the checkpoint belongs to another model configuration."
-                )
-        if strict:
-            # a tied parameter may be stored under only one of its names
-            tied_ok = {n for r, _ in values for n in r.names}
-            missing = [k for k in missing if k not in tied_ok]
-            if missing or unexpected:
-                raise KeyError(
-                    f"state_dict does not match the model: missing keys {missing}, unexpected keys {unexpected}."
-                    " HINT: load with strict=False to ignore them, or use a checkpoint of this model."
-                )
-        with torch.no_grad():
-            for record, value in values:
-                if self.owns(record.family):
-                    self._fill_slot(record, value)
-                record.slot_holds_grad = False
-            for key, value in state_dict.items():
-                if key in buffers and key not in param_names:
-                    buffers[key].copy_(value)
-
-    # ---- sharded checkpoints ---------------------------------------------------------------------------
-    def owned_tensors(self) -> dict[str, torch.Tensor]:
-        """``model/<name>`` -> fp32 CPU value of every parameter this rank owns (a sharded save)."""
-        out: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for family in self.families:
-                if not family.records or not self.owns(family):
-                    continue
-                flat = self.family_values(family).detach().to("cpu")
-                for record in family.records:
-                    sl = flat[record.slot.offset : record.slot.offset + record.slot.numel]
-                    out[f"model/{record.names[0]}"] = sl.view(record.slot.shape).clone()
-        return out
-
-    def sharded_info(self) -> dict[str, Any]:
-        """What a sharded checkpoint needs to rebuild an ordinary state_dict (names, aliases, dtypes)."""
-        keys = list(self.module.state_dict(keep_vars=True).keys())
-        canonical = {name: r.names[0] for r in self.records for name in r.names}
-        dtypes = {name: str(r.orig_dtype).replace("torch.", "") for r in self.records for name in r.names}
-        return {"state_dict_keys": keys, "canonical": canonical, "dtypes": dtypes}
-
-    def load_owned_tensors(self, stored: Mapping[str, torch.Size], read: Any, buffers: Mapping[str, Any]) -> None:
-        """Load a sharded checkpoint's weights: check names and shapes first, then read what this rank owns."""
-        expected = {f"model/{r.names[0]}": r for r in self.records}
-        stored_model = {k for k in stored if k.startswith("model/")}
-        missing = sorted(k[len("model/") :] for k in set(expected) - stored_model)
-        unexpected = sorted(k[len("model/") :] for k in stored_model - set(expected))
-        if missing or unexpected:
-            raise KeyError(
-                f"the sharded checkpoint does not match the model: missing keys {missing}, unexpected keys"
-                f" {unexpected}. HINT: use a checkpoint of this model."
-            )
-        for key, record in expected.items():
-            if tuple(stored[key]) != tuple(record.slot.shape):
-                raise ValueError(
-                    f"the sharded checkpoint stores '{key[len('model/') :]}' with shape {tuple(stored[key])}, the"
-                    f" model has {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model."
-                )
-        wanted = {k: stored[k] for k, r in expected.items() if self.owns(r.family)}
-        values = read(wanted)
-        with torch.no_grad():
-            for key, value in values.items():
-                record = expected[key]
-                self._fill_slot(record, value)
-                record.slot_holds_grad = False
-            named = dict(self.module.named_buffers())
-            for key, value in buffers.items():
-                if key in named:
-                    named[key].copy_(value)
-
-    # ---- teardown -------------------------------------------------------------------------------------
-    def restore_module(self, device: torch.device) -> None:
-        """Give every parameter an ordinary tensor of its original dtype on ``device`` and free the chunks."""
-        with torch.no_grad():
-            values = self._all_values()
-            for record in self.records:
-                value = values[record.index].detach().to(device=device, dtype=record.orig_dtype, copy=True)
-                record.param.data = value
-        for family in self.families:
-            for chunk in family.chunks.values():
-                chunk.release()
 
     # ---- reporting ------------------------------------------------------------------------------------
     def iter_chunks(self) -> Iterator[Chunk]:

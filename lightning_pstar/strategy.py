@@ -33,12 +33,13 @@ from lightning_pstar.checkpoint import (
     stored_keys,
     write_sharded,
 )
-from lightning_pstar.chunk_manager import ChunkManager, MemoryReport
+from lightning_pstar.chunk_manager import ChunkManager
 from lightning_pstar.comm import ChunkComm
 from lightning_pstar.config import LossScaleConfig, PStarConfig
 from lightning_pstar.hooks import ModelHooks
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import PatrickStarPrecision
+from lightning_pstar.report import MemoryReport
 
 __all__ = ["PatrickStarStrategy"]
 

@@ -1,0 +1,78 @@
+"""The memory report: what the engine holds and moved, per tier, per moment and per rank."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["MemoryReport"]
+
+
+@dataclass(kw_only=True)
+class MemoryReport:
+    """What the engine holds and moved. Bytes unless said otherwise."""
+
+    precision: str
+    num_params: int  # unique parameter elements
+    num_chunks: int  # chunk families
+    chunk_size: int  # elements
+    chunk_utilisation: float  # parameter elements / param-chunk capacity
+    model_data_bytes: int  # every chunk allocated, all tiers
+    model_data_bytes_per_param: float  # slot bytes per parameter element, padding excluded
+    device_chunk_bytes: int
+    host_chunk_bytes: int
+    peak_device_chunk_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    evictions: int
+    device_memory_limit: int | None
+    host_memory_limit: int | None
+    optimizer_tier: str  # where the optimizer step runs, per chunk family
+    placement: str = "static"
+    prefetches: int = 0  # chunks fetched ahead of their moment
+    peak_non_model_bytes: int = 0  # warm-up peak of non-model memory on the device
+    moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
+    moment_device_chunk_bytes: list[int] = field(default_factory=list)  # per moment, last iteration seen
+    moment_labels: list[str] = field(default_factory=list)  # "fwd:3", "bwd:3", "step"
+    rank: int = 0
+    world_size: int = 1
+    gathered_bytes: int = 0  # received by all-gathers of chunk groups (ZeRO data parallelism)
+    reduced_bytes: int = 0  # sent to reduce-scatters of gradients
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        def fmt(n: int | None) -> str:
+            if n is None:
+                return "unlimited"
+            for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+                if abs(n) >= size:
+                    return f"{n / size:.2f} {unit} ({n} B)"
+            return f"{n} B"
+
+        rows = [
+            ("precision", self.precision),
+            ("parameters", f"{self.num_params:,}"),
+            ("chunks (families)", f"{self.num_chunks} x {self.chunk_size:,} elements"),
+            ("chunk utilisation", f"{self.chunk_utilisation:.1%}"),
+            ("model data", fmt(self.model_data_bytes)),
+            ("model data / param", f"{self.model_data_bytes_per_param:.2f} B"),
+            ("chunks on device", fmt(self.device_chunk_bytes)),
+            ("chunks on host", fmt(self.host_chunk_bytes)),
+            ("peak device chunks", fmt(self.peak_device_chunk_bytes)),
+            ("device budget", fmt(self.device_memory_limit)),
+            ("host budget", fmt(self.host_memory_limit)),
+            ("host -> device", fmt(self.h2d_bytes)),
+            ("device -> host", fmt(self.d2h_bytes)),
+            ("evictions", str(self.evictions)),
+            ("prefetches", str(self.prefetches)),
+            ("placement", self.placement),
+            ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),
+            ("optimizer runs on", self.optimizer_tier),
+            ("rank / world size", f"{self.rank} / {self.world_size}"),
+            ("all-gathered", fmt(self.gathered_bytes)),
+            ("reduce-scattered", fmt(self.reduced_bytes)),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "PatrickStar memory report\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
