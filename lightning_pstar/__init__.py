@@ -6,6 +6,7 @@ Importing the package registers the strategy name ``"patrickstar"`` with Lightni
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_pstar.callbacks import PatrickStarMonitor, plot_tide
 from lightning_pstar.chunk_manager import MemoryBudgetError
 from lightning_pstar.config import LossScaleConfig, Placement, PStarConfig
 from lightning_pstar.precision import PatrickStarPrecision
@@ -18,8 +19,10 @@ __all__ = [
     "MemoryReport",
     "PStarConfig",
     "PatrickStarPrecision",
+    "PatrickStarMonitor",
     "PatrickStarStrategy",
     "Placement",
+    "plot_tide",
 ]
 __version__ = "0.1.0"
 

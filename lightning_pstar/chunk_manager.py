@@ -641,6 +641,8 @@ class ChunkManager(StateDictsMixin):
         if self.in_training:
             fids = tuple(f.family_id for f in self.families if f.trainable)
             self.tracer.moment(MomentKind.STEP, 0, fids)
+            if self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
+                self.moment_chunk_bytes[self.tracer.cursor] = self._device_used()
 
     def end_warmup_if_recording(self) -> None:
         """After the first optimizer step: close the trace, check the budget, plan optimizer placement."""

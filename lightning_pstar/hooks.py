@@ -6,7 +6,8 @@
 - pre-backward of M: chunks resident again (same storage: see the note in ``chunk.py``);
 - post-backward of M (a grad hook on M's inputs): slots still in ``COMPUTE`` leave it, so the chunks of a
   tied weight whose gradient is not final yet are not pinned for the rest of the backward;
-- gradient of p final (``register_post_accumulate_grad_hook``): the chunk manager stores it in the slot.
+- gradient of p final (``register_post_accumulate_grad_hook``): the chunk manager stores it in the slot;
+- BatchNorm in mixed precision: running statistics in the compute dtype during its forward (see below).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ModelHooks:
     def __init__(self, manager: ChunkManager) -> None:
         self.manager = manager
         self._handles: list[Any] = []
+        self._stats_stash: dict[nn.Module, dict[str, torch.Tensor]] = {}  # fp32 running stats during a forward
 
     def install(self) -> None:
         for index, (module, records) in enumerate(self.manager.module_records.items()):
@@ -61,6 +63,11 @@ class ModelHooks:
         for record in self.manager.records:
             if record.trainable:
                 self._handles.append(record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record)))
+        if self.manager.mixed:
+            for module in self.manager.module_records:
+                if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+                    self._handles.append(module.register_forward_pre_hook(self._stats_in_compute_dtype))
+                    self._handles.append(module.register_forward_hook(self._stats_back_to_buffers))
         host = {id(p) for p in self.manager.host_params.values()}
         for module in self.manager.module.modules():
             if isinstance(module, nn.Embedding) and id(module.weight) in host:
@@ -76,10 +83,38 @@ class ModelHooks:
         manager = self.manager
         return output.to(device=manager.device, dtype=manager.compute_dtype)
 
+    # ---- running statistics of BatchNorm in mixed precision ---------------------------------------------
+    # A BatchNorm's weight and bias live in the chunks in the compute dtype while its running statistics stay
+    # fp32 buffers (as in plain Lightning's mixed precision, and in checkpoints). torch's CPU kernel refuses a
+    # bf16 weight next to fp32 running statistics ("expected scalar type BFloat16 but found Float"), so during
+    # the module's forward it sees compute-dtype copies of its statistics; in training the updated values are
+    # copied back into the fp32 buffers (in eval they are only read).
+    def _stats_in_compute_dtype(self, module: nn.Module, args: Any) -> None:
+        self._stats_back_to_buffers(module)  # a forward interrupted before its post-hook (checkpoint early stop)
+        dtype = self.manager.compute_dtype
+        stash: dict[str, torch.Tensor] = {}
+        for name in ("running_mean", "running_var"):
+            buf = module._buffers.get(name)
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                stash[name] = buf
+                module._buffers[name] = buf.to(dtype)
+        if stash:
+            self._stats_stash[module] = stash
+
+    def _stats_back_to_buffers(self, module: nn.Module, *_: Any) -> None:
+        for name, buf in self._stats_stash.pop(module, {}).items():
+            current = module._buffers[name]
+            if module.training and current is not None:
+                with torch.no_grad():
+                    buf.copy_(current)
+            module._buffers[name] = buf
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in list(self._stats_stash):  # a forward that raised: hand back the fp32 statistics
+            self._stats_back_to_buffers(module)
 
     # ---- factories (closures keep the per-module record list; nothing is stored on the module) --------
     def _make_pre_forward(self, index: int, records: Sequence[ParamRecord]) -> Any:
