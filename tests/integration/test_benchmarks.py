@@ -1,0 +1,105 @@
+"""benchmarks/compare.py and benchmarks/gpu_check.py end to end, in subprocesses, as a user runs them.
+
+Both scripts start with the smallest sizes they accept, concurrently (each mostly waits on its own training
+subprocesses), and every run of their JSON is checked for the published keys and types.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMPARE_RUN_KEYS = {
+    "strategy": str,
+    "world_size": int,
+    "precision": str,
+    "device_memory_limit": (int, type(None)),
+    "step_time_s": float,
+    "tokens_per_s": float,
+    "peak_rss_bytes": int,
+    "model_data_bytes_per_param": (float, type(None)),
+    "h2d_bytes_per_step": (int, type(None)),
+    "d2h_bytes_per_step": (int, type(None)),
+}
+GPU_CHECK_RUN_KEYS = {
+    "strategy": str,
+    "params": int,
+    "trained": bool,
+    "step_time_s": float,
+    "tokens_per_s": float,
+    "tflops": float,
+    "peak_rss_bytes": int,
+}
+
+
+def _start(args: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"{proc.args!r} did not finish in {timeout} s\n{out[-4000:]}")
+    assert proc.returncode == 0, f"{proc.args!r} exited with {proc.returncode}\n{out[-6000:]}"
+    return out
+
+
+def _check_types(record: dict[str, Any], expected: dict[str, Any], where: str) -> None:
+    for key, kind in expected.items():
+        assert key in record, f"{where}: missing {key!r} in {record}"
+        assert isinstance(record[key], kind) and not (kind is int and isinstance(record[key], bool)), (
+            f"{where}: {key!r} = {record[key]!r} is not {kind}"
+        )
+
+
+@pytest.mark.slow
+def test_compare_and_gpu_check_write_complete_json(tmp_path: Path) -> None:
+    compare_json, gpu_json, plot = tmp_path / "compare.json", tmp_path / "gpu_check.json", tmp_path / "compare.png"
+    compare = _start(
+        [
+            "benchmarks/compare.py", "--quick", "--strategies", "auto,patrickstar-1", "--steps", "1",
+            "--warmup", "1", "--batch-size", "2", "--block-size", "16", "--n-embd", "32",
+            "--scale-device-memory", "2GiB", "--scale-host-memory", "8GiB", "--scale-ranks", "2",
+            "--json", str(compare_json), "--plot", str(plot),
+        ]
+    )  # fmt: skip
+    gpu_check = _start(["benchmarks/gpu_check.py", "--tiny", "--steps", "1", "--json", str(gpu_json)])
+    gpu_out = _finish(gpu_check)
+    compare_out = _finish(compare)
+
+    document = json.loads(compare_json.read_text())
+    assert set(document) >= {"model", "runs"}
+    assert isinstance(document["model"]["params"], int) and document["model"]["params"] > 0
+    assert [r["strategy"] for r in document["runs"]] == ["auto", "patrickstar"], compare_out
+    for run in document["runs"]:
+        assert list(run) == list(COMPARE_RUN_KEYS), run  # exactly the published keys, in order
+        _check_types(run, COMPARE_RUN_KEYS, "compare.py")
+        assert run["world_size"] == 1 and run["step_time_s"] > 0 and run["peak_rss_bytes"] > 0
+    auto, pstar = document["runs"]
+    assert auto["model_data_bytes_per_param"] == pytest.approx(16.0)  # fp32 AdamW: 4 + 4 + 8
+    assert 14.0 <= pstar["model_data_bytes_per_param"] < 16.0  # 14 in mixed precision, plus chunk padding
+    assert auto["h2d_bytes_per_step"] is None and isinstance(pstar["h2d_bytes_per_step"], int)
+    scale = {(r["strategy"], r["world_size"]): r for r in document["scale"]["rows"]}
+    assert scale[("patrickstar", 2)]["params"] > scale[("ddp", 2)]["params"] > 0, compare_out
+    assert "target: >= 2.5x ddp/auto" in compare_out and plot.stat().st_size > 0
+
+    report = json.loads(gpu_json.read_text())
+    assert {r["strategy"] for r in report["runs"]} == {"patrickstar", "fsdp-offload"}, gpu_out
+    for run in report["runs"]:
+        _check_types(run, GPU_CHECK_RUN_KEYS, "gpu_check.py")
+        assert run["trained"], gpu_out
+    assert all(report["largest"][s] is not None for s in ("patrickstar", "fsdp-offload")), gpu_out
