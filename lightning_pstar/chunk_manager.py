@@ -124,6 +124,7 @@ class ChunkManager(StateDictsMixin):
             )
         )
         self.in_training = False  # True inside training micro-batches: moments are traced/followed
+        self.in_backward = False  # True from the first pre-backward of a micro-batch until it settles
         self.moment_chunk_bytes: dict[int, int] = {}  # moment index -> chunk bytes on the device (last seen)
         self.accumulating = False  # True while Lightning accumulates gradients (non-final micro-batch)
         self._tick = 0
@@ -586,6 +587,8 @@ class ChunkManager(StateDictsMixin):
         ``moment`` names the point of the iteration (for the warm-up trace and the plan that follows it).
         """
         families = {r.family.family_id: r.family for r in records}
+        if moment is not None and moment[0] is MomentKind.BACKWARD:
+            self.in_backward = True
         if moment is not None and self.in_training:
             self.tracer.moment(moment[0], moment[1], tuple(families))
         protect = set(families)
@@ -685,6 +688,17 @@ class ChunkManager(StateDictsMixin):
             moved += 1
         log.info("PatrickStar: %d of %d optimizer-state families run on the device", moved, len(self.families))
 
+    def next_moment_families(self) -> frozenset[int] | None:
+        """Families the next moment of the warm-up trace accesses; None when there is no plan to follow.
+
+        Every rank follows the same trace, so decisions taken from it are the same on every rank.
+        """
+        tracer = self.tracer
+        if not (self.in_training and tracer.warmed_up and tracer.matches and tracer.trace.moments):
+            return None
+        moments = tracer.trace.moments
+        return frozenset(moments[(tracer.cursor + 1) % len(moments)].families)
+
     def optimizer_tier_of(self, family: ChunkFamily) -> Tier:
         """Where ``family``'s optimizer step runs: the tier of its optimizer-side chunks."""
         for kind, chunk in family.chunks.items():
@@ -774,6 +788,7 @@ class ChunkManager(StateDictsMixin):
 
         Slots in ``HOLD_AFTER_BWD`` keep their gradient for the coming optimizer step.
         """
+        self.in_backward = False
         if self.groups is not None:
             with torch.no_grad():
                 self.groups.flush()  # reduce groups whose parameters did not all receive a gradient

@@ -95,12 +95,22 @@ class GroupCoordinator:
             self.gathered.add(group)
 
     def release_idle(self, families: list[ChunkFamily]) -> None:
-        """Release the remote chunks of groups in which nothing computes (local gradients live elsewhere)."""
+        """Release the remote chunks of groups in which nothing computes (local gradients live elsewhere),
+        unless the warm-up trace says the next moment uses the group again (saves a gather per module)."""
+        upcoming = self.manager.next_moment_families()
+        # in a training pass a group stays until every slot in it is done with this pass (forward: used,
+        # so HOLD_AFTER_FWD; backward: its gradient taken or its module done, so not HOLD_AFTER_FWD any
+        # more), as the original releases a remote chunk; without autograd it goes as soon as it is idle
+        pending: TensorState | None = None
+        if self.manager.in_training and torch.is_grad_enabled():
+            pending = TensorState.HOLD_AFTER_FWD if self.manager.in_backward else TensorState.HOLD
         for group in sorted({self.group_of(f) for f in families}):
             if group not in self.gathered:
                 continue
+            if upcoming is not None and any(f.family_id in upcoming for f in self.members(group)):
+                continue
             members = self.members(group)
-            if any(s.state is TensorState.COMPUTE for f in members for s in f.slots):
+            if any(s.state is TensorState.COMPUTE or s.state is pending for f in members for s in f.slots):
                 continue
             self._release_group(group)
 

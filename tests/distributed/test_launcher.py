@@ -1,0 +1,85 @@
+"""The rank launcher of the distributed tests fails a test for every way a rank can fail.
+
+A harness that ignores a crashed or stuck rank proves nothing (STYLE.md, habit 9), so the harness itself is
+tested first: a rank that raises, a rank that exits with a non-zero code without a Python exception, and a
+rank that never finishes must each make the call raise, with the worker's own traceback text.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+from launch import WorkerFailure, WorkerTimeout, run_commands, run_isolated, run_ranks
+
+
+def _rank_and_env(rank: int, world_size: int) -> tuple[int, int, str, str, str]:
+    return rank, world_size, os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["OMP_NUM_THREADS"]
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError(f"deliberate failure on rank {rank} of {world_size}")
+    return rank
+
+
+def _exit_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(3)  # no exception, no traceback: only the exit code tells
+    return rank
+
+
+def _hang_on_rank_zero(rank: int, world_size: int) -> int:
+    if rank == 0:
+        time.sleep(3600)
+    return rank
+
+
+def _fail_in_isolation(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def test_returns_every_rank_value() -> None:
+    results = run_ranks(_rank_and_env, 2, timeout=60)
+    assert results == [(0, 2, "0", "2", "1"), (1, 2, "1", "2", "1")]
+
+
+def test_exception_in_one_rank_fails_the_test() -> None:
+    with pytest.raises(WorkerFailure, match="deliberate failure on rank 1 of 2") as info:
+        run_ranks(_raise_on_rank_one, 2, timeout=60)
+    failure = info.value
+    assert not isinstance(failure, WorkerTimeout)
+    assert failure.outcome(0).ok
+    rank1 = failure.outcome(1)
+    assert rank1.exitcode == 1 and not rank1.killed
+    # the worker's own traceback, not just a message: the function and the line that raised
+    assert "Traceback (most recent call last)" in rank1.error
+    assert "_raise_on_rank_one" in rank1.error and "ValueError" in rank1.error
+
+
+def test_exit_code_of_one_rank_fails_the_test() -> None:
+    with pytest.raises(WorkerFailure, match=r"rank 1: exit code 3") as info:
+        run_ranks(_exit_on_rank_one, 2, timeout=60)
+    assert info.value.outcome(1).exitcode == 3
+    assert info.value.outcome(0).ok
+
+
+def test_hanging_rank_is_killed_at_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout, match="still running after the timeout") as info:
+        run_ranks(_hang_on_rank_zero, 2, timeout=8)
+    assert time.monotonic() - start < 30
+    rank0 = info.value.outcome(0)
+    assert rank0.killed and rank0.exitcode is None
+    assert "_hang_on_rank_zero" in rank0.stack, rank0.stack  # where it was stuck
+    assert info.value.outcome(1).ok
+
+
+def test_isolated_and_command_failures_fail_the_test() -> None:
+    with pytest.raises(WorkerFailure, match="raised in the isolated process"):
+        run_isolated(_fail_in_isolation, "raised in the isolated process", timeout=60)
+    code = "import sys; print('about to fail'); sys.exit(5)"
+    with pytest.raises(WorkerFailure, match=r"(?s)rank 1: exit code 5.*about to fail"):
+        run_commands([[sys.executable, "-c", "pass"], [sys.executable, "-c", code]], [{}, {}], timeout=60)

@@ -1,0 +1,296 @@
+"""What the distributed tests train: a tiny GPT, token data, a LightningModule that records per rank, and the
+functions the launched processes run.
+
+Everything here is importable by a fresh ``spawn`` process (the tests' own launcher and Lightning's spawn
+launcher pickle functions and modules by reference) and by ``two_nodes_main.py`` (a script started per node).
+The LightningModule writes what each rank saw (its micro-batch losses, gradient norms, the engine's memory
+report) to ``<out_dir>/<tag>-rank<r>.json`` at the end of training; the test reads and compares those files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pstar import PatrickStarStrategy
+
+VOCAB = 32
+BLOCK = 16
+N_LAYER = 2
+N_HEAD = 2
+N_EMBD = 32
+SEED = 1234
+DATA_SEED = 4321
+
+
+# ---- model --------------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block with causal self-attention."""
+
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.n_embd = n_embd
+        self.ln1 = nn.LayerNorm(n_embd)
+        # no bias: a key bias has a zero gradient in exact arithmetic (softmax ignores a shift), so Adam would
+        # turn rounding noise into lr-sized steps and final weights could not be compared across strategies
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.out = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)  # 3 x (B, T, C)
+        q, k, v = (z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-shaped model: ``wte.weight`` is tied to ``lm_head.weight``; ``frozen`` is a Linear with
+    ``requires_grad=False`` that forward uses."""
+
+    def __init__(self, n_embd: int = N_EMBD) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, n_embd)
+        self.wpe = nn.Embedding(BLOCK, n_embd)
+        self.blocks = nn.ModuleList([Block(n_embd) for _ in range(N_LAYER)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.frozen = nn.Linear(n_embd, n_embd)
+        self.frozen.requires_grad_(False)
+        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
+        self.wte.weight = self.lm_head.weight  # tied: one Parameter, two names
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, VOCAB) for token ids (B, T)."""
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        return self.lm_head(x + self.frozen(x))  # (B, T, VOCAB)
+
+
+def build_model(n_embd: int = N_EMBD) -> TinyGPT:
+    """``TinyGPT(n_embd)`` built right after ``torch.manual_seed(SEED)`` (what every run starts from)."""
+    torch.manual_seed(SEED)
+    return TinyGPT(n_embd)
+
+
+def num_params(n_embd: int = N_EMBD) -> int:
+    """Unique parameter elements of ``TinyGPT(n_embd)`` (the tied weight counted once)."""
+    return sum(p.numel() for p in TinyGPT(n_embd).parameters())
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+
+
+def make_dataset(n_seq: int) -> TensorDataset:
+    """Arithmetic token sequences with 10% noise; inputs and targets shifted by one. Fixed by DATA_SEED."""
+    g = torch.Generator().manual_seed(DATA_SEED)
+    start = torch.randint(0, VOCAB, (n_seq, 1), generator=g)
+    stride = torch.randint(1, 4, (n_seq, 1), generator=g)
+    seq = (start + stride * torch.arange(BLOCK + 1)) % VOCAB  # (N, BLOCK + 1)
+    noise = torch.rand(seq.shape, generator=g) < 0.1
+    seq = torch.where(noise, torch.randint(0, VOCAB, seq.shape, generator=g), seq)
+    return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+
+
+# ---- one training run ---------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class RunSpec:
+    """One ``trainer.fit``: what to train, how, and where each rank writes its record."""
+
+    tag: str
+    out_dir: str
+    strategy: str = "patrickstar"
+    """"patrickstar", "patrickstar_spawn", "ddp" or "ddp_spawn"."""
+    devices: int = 2
+    num_nodes: int = 1
+    precision: str = "32-true"
+    optim: str = "adamw"
+    """"adamw" (fused, weight decay, cosine schedule) or "sgd" (fused, momentum 0.9, cosine schedule)."""
+    steps: int = 20
+    accumulate: int = 1
+    clip: float | None = None
+    batch_size: int = 4
+    """Per rank."""
+    chunk_size: int | None = None
+    """PatrickStar chunk size in elements (None: the strategy's automatic choice)."""
+    save_checkpoint: bool = False
+    """Call ``trainer.save_checkpoint(<out_dir>/<tag>.ckpt)`` on every rank at the end of training."""
+    fail_rank: int | None = None
+    fail_step: int | None = None
+    """Raise in ``training_step`` on ``fail_rank`` when ``global_step == fail_step``."""
+    n_embd_by_rank: dict[int, int] = field(default_factory=dict)
+    """Per-rank width (the model is then built in ``configure_model``, where the rank is known)."""
+
+    @property
+    def n_seq(self) -> int:
+        """Exactly the sequences the run consumes over all ranks (one epoch)."""
+        return self.steps * self.accumulate * self.batch_size * self.devices * self.num_nodes
+
+    def record_path(self, rank: int) -> Path:
+        return Path(self.out_dir) / f"{self.tag}-rank{rank}.json"
+
+    @property
+    def failure_time_path(self) -> Path:
+        """Where the injected failure writes its ``time.monotonic()`` (system-wide on Linux)."""
+        return Path(self.out_dir) / f"{self.tag}-failed-at"
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.out_dir) / f"{self.tag}.ckpt"
+
+
+class RecordingModule(L.LightningModule):
+    """Trains :class:`TinyGPT` and writes this rank's record at the end of training (see module docstring)."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.lrs: list[float] = []
+        self.model: TinyGPT | None = None
+        if not spec.n_embd_by_rank:
+            self.model = build_model()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_model(self.spec.n_embd_by_rank.get(self.global_rank, N_EMBD))
+
+    def setup(self, stage: str) -> None:
+        torch.set_num_threads(1)  # two ranks share two cores
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        spec = self.spec
+        if self.global_rank == spec.fail_rank and self.trainer.global_step == spec.fail_step:
+            spec.failure_time_path.write_text(repr(time.monotonic()))
+            raise RuntimeError(f"injected failure on rank {self.global_rank} at step {self.trainer.global_step}")
+        x, y = batch  # (B, T), (B, T)
+        assert self.model is not None
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # plain DDP: the global norm Lightning clips by (PatrickStar keeps gradients in its chunks)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.spec.optim == "adamw":
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, fused=True)
+        elif self.spec.optim == "sgd":
+            optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
+        else:
+            raise ValueError(f"unknown optim {self.spec.optim!r}")
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.spec.steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_end(self) -> None:
+        spec = self.spec
+        strategy = self.trainer.strategy
+        record: dict[str, Any] = {
+            "rank": self.global_rank,
+            "world_size": self.trainer.world_size,
+            "global_step": self.trainer.global_step,
+            "losses": self.losses,
+            "grad_norms": self.grad_norms,
+            "lrs": self.lrs,
+            "threads": torch.get_num_threads(),
+        }
+        if isinstance(strategy, PatrickStarStrategy):
+            record["memory_report"] = strategy.memory_report().as_dict()
+            reports = strategy.memory_report_all()  # a collective: every rank calls it
+            record["all_ranks"] = [r.as_dict() for r in reports]
+            record["summary"] = PatrickStarStrategy.format_rank_summary(reports)
+        if spec.save_checkpoint:
+            self.trainer.save_checkpoint(spec.checkpoint_path)  # a collective too; rank 0 writes
+        spec.record_path(self.global_rank).write_text(json.dumps(record))
+
+
+def build_strategy(spec: RunSpec) -> Any:
+    if spec.strategy.startswith("patrickstar"):
+        start_method = "spawn" if spec.strategy == "patrickstar_spawn" else "popen"
+        options: dict[str, Any] = {} if spec.chunk_size is None else {"chunk_size": spec.chunk_size}
+        return PatrickStarStrategy(start_method=start_method, **options)
+    return spec.strategy
+
+
+def fit(spec: RunSpec) -> None:
+    """Train once as ``spec`` says. In a rank started by the launcher, or one that starts its own ranks."""
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=spec.devices,
+        num_nodes=spec.num_nodes,
+        strategy=build_strategy(spec),
+        precision=spec.precision,  # type: ignore[arg-type]
+        max_steps=spec.steps,
+        accumulate_grad_batches=spec.accumulate,
+        gradient_clip_val=spec.clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    # unshuffled: Lightning's DistributedSampler then gives rank r the indices r, r + W, r + 2W, ...
+    loader = DataLoader(make_dataset(spec.n_seq), batch_size=spec.batch_size, shuffle=False)
+    trainer.fit(RecordingModule(spec), train_dataloaders=loader)
+
+
+def read_records(spec: RunSpec) -> list[dict[str, Any]]:
+    """Every rank's record of ``spec``, in rank order."""
+    world = spec.devices * spec.num_nodes
+    missing = [r for r in range(world) if not spec.record_path(r).exists()]
+    assert not missing, f"{spec.tag}: ranks {missing} wrote no record in {spec.out_dir}"
+    return [json.loads(spec.record_path(r).read_text()) for r in range(world)]
+
+
+# ---- what launched processes run ----------------------------------------------------------------------------
+
+
+def fit_in_rank(rank: int, world_size: int, specs: list[RunSpec]) -> None:
+    """For ``launch.run_ranks``: the environment already names this rank, so the Trainer joins it."""
+    assert int(os.environ["LOCAL_RANK"]) == rank
+    for spec in specs:
+        assert spec.devices * spec.num_nodes == world_size, spec
+        fit(spec)
+
+
+def fit_in_driver(specs: list[RunSpec]) -> None:
+    """For ``launch.run_isolated``: runs one after the other; spawn strategies start their own ranks."""
+    for spec in specs:
+        fit(spec)
+
+
+def spec_as_json(spec: RunSpec) -> str:
+    return json.dumps(asdict(spec))
+
+
+def spec_from_json(text: str) -> RunSpec:
+    data = json.loads(text)
+    data["n_embd_by_rank"] = {int(k): v for k, v in data["n_embd_by_rank"].items()}
+    return RunSpec(**data)
