@@ -14,9 +14,8 @@
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
-import zipfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,7 +64,7 @@ def _load_file(path: Path, *, map_location: Any = "cpu", weights_only: bool | No
         raise CheckpointError(f"checkpoint '{path}' does not exist. HINT: check the path (ckpt_path=...).")
     try:
         return torch.load(path, map_location=map_location, weights_only=bool(weights_only))
-    except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - a damaged file makes torch.load raise almost anything
         raise CheckpointError(
             f"checkpoint '{path}' is truncated or corrupt and cannot be read ({type(err).__name__}: {err})."
             " HINT: resume from an earlier checkpoint; files written by PatrickStar are renamed into place only"
@@ -105,7 +104,12 @@ class SafeCheckpointIO(TorchCheckpointIO):
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
         target = Path(path)
-        if target.is_dir():
+        if target.is_symlink():
+            data = target.resolve()
+            target.unlink()
+            if data.is_dir():
+                shutil.rmtree(data)
+        elif target.is_dir():
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
@@ -127,24 +131,40 @@ def write_sharded(
 ) -> None:
     """Write a sharded checkpoint directory. Every rank passes only the tensors it owns.
 
-    The store is written into a temporary directory and renamed into place by rank 0 when every rank has
-    finished, so an interrupted save never replaces the previous checkpoint.
+    The data goes to a fresh hidden directory next to ``path``; when every rank has finished, rank 0 points
+    ``path`` (a symbolic link) at it with one atomic rename and then deletes the previous data. A process
+    killed at any moment leaves ``path`` pointing at a complete checkpoint, old or new.
     """
-    tmp = path.with_name(f".{path.name}.tmp")
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    barrier()
-    dcp.save(tensors, storage_writer=FileSystemWriter(tmp))
+    token = f".{path.name}.{time.time_ns()}" if rank == 0 else ""
+    holder = [token]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(holder, src=0)
+    data = path.with_name(holder[0])
+    dcp.save(tensors, storage_writer=FileSystemWriter(data))
     barrier()
     if rank == 0:
-        _atomic_torch_save(meta, tmp / META_FILENAME)
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            os.replace(path, old) if path.is_dir() else path.unlink()
-        os.replace(tmp, path)
-        if old.exists():
-            shutil.rmtree(old)
+        _atomic_torch_save(meta, data / META_FILENAME)
+        previous = path.resolve() if path.is_symlink() else None
+        link = path.with_name(f".{path.name}.link-{os.getpid()}")
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        os.symlink(data.name, link)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)  # a directory from an older layout: replaced by the link
+        os.replace(link, path)  # atomic: readers see the old checkpoint or the new one
+        _remove_stale(path, keep=data, extra=previous)
     barrier()
+
+
+def _remove_stale(path: Path, *, keep: Path, extra: Path | None) -> None:
+    """Delete data directories of ``path`` that no link points at any more (also after a crash)."""
+    for candidate in path.parent.glob(f".{path.name}.*"):
+        if candidate.resolve() == keep.resolve() or candidate.is_symlink():
+            continue
+        if candidate.is_dir():
+            shutil.rmtree(candidate, ignore_errors=True)
+    if extra is not None and extra.exists() and extra.resolve() != keep.resolve():
+        shutil.rmtree(extra, ignore_errors=True)
 
 
 def read_sharded_meta(path: Path) -> dict[str, Any]:

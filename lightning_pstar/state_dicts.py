@@ -157,6 +157,11 @@ class StateDictsMixin:
                     buffers[key].copy_(value)
 
     # ---- sharded checkpoints ---------------------------------------------------------------------------
+    def _local_values(self, family: ChunkFamily) -> torch.Tensor:
+        """fp32 CPU copy of a family this rank owns, read locally (no communication)."""
+        chunk = family.chunks.get(ChunkKind.MASTER, family.param_chunk)
+        return chunk.data.detach().to("cpu", torch.float32, copy=True)
+
     def owned_tensors(self) -> dict[str, torch.Tensor]:
         """``model/<name>`` -> fp32 CPU value of every parameter this rank owns (a sharded save)."""
         out: dict[str, torch.Tensor] = {}
@@ -164,7 +169,7 @@ class StateDictsMixin:
             for family in self.families:
                 if not family.records or not self.owns(family):
                     continue
-                flat = self.family_values(family).detach().to("cpu")
+                flat = self._local_values(family)
                 for record in family.records:
                     sl = flat[record.slot.offset : record.slot.offset + record.slot.numel]
                     out[f"model/{record.names[0]}"] = sl.view(record.slot.shape).clone()

@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_pstar.checkpoint import (
     SHARDED_KEY,
+    CheckpointError,
     SafeCheckpointIO,
     read_sharded_tensors,
     stored_keys,
@@ -315,6 +316,7 @@ class PatrickStarStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        self._loading_from = path
         return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
 
     @override
@@ -322,14 +324,19 @@ class PatrickStarStrategy(DDPStrategy):
         if self._manager is None:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
-        if checkpoint.get(SHARDED_KEY):
-            path = Path(checkpoint[SHARDED_KEY])
-            stored = stored_keys(path)
-            self._manager.load_owned_tensors(
-                stored, lambda wanted: read_sharded_tensors(path, wanted), checkpoint.get("state_dict", {})
-            )
-            return
-        self._manager.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        source = checkpoint.get(SHARDED_KEY) or getattr(self, "_loading_from", None) or "the checkpoint"
+        try:
+            if checkpoint.get(SHARDED_KEY):
+                path = Path(checkpoint[SHARDED_KEY])
+                stored = stored_keys(path)
+                self._manager.load_owned_tensors(
+                    stored, lambda wanted: read_sharded_tensors(path, wanted), checkpoint.get("state_dict", {})
+                )
+                return
+            self._manager.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        except (KeyError, ValueError) as err:
+            message = err.args[0] if err.args else str(err)
+            raise CheckpointError(f"cannot load '{source}': {message}") from err
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
