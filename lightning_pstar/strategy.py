@@ -405,6 +405,9 @@ class PatrickStarStrategy(DDPStrategy):
             self.optimizers = [
                 opt.user_optimizer if isinstance(opt, ChunkedOptimizer) else opt for opt in self.optimizers
             ]
+            if self.world_size > 1 and torch.distributed.is_initialized():
+                # no rank leaves (and tears its process group down) while another still communicates
+                torch.distributed.barrier()
         super().teardown()
 
     @override
