@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,3 +73,24 @@ def test_misspelled_strategy_option_fails_naming_it(tmp_path: Path, override: st
     # It fails while building the strategy, before any training.
     assert "train_loss:" not in proc.stdout
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_overhead_benchmark_runs_both_strategies_and_writes_json(tmp_path: Path) -> None:
+    # benchmarks/overhead.py shares the demos with the example; the smallest sizes keep this a smoke test.
+    out = tmp_path / "overhead.json"
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "overhead.py"),
+        *("--steps", "2", "--warmup", "1", "--n-layer", "1", "--n-head", "2", "--n-embd", "32"),
+        *("--block-size", "16", "--batch-size", "4", "--json", str(out)),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, _explain(proc)
+    assert "step-time ratio patrickstar/plain" in proc.stdout and "model data bytes/param" in proc.stdout
+    results = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"auto", "patrickstar"}
+    for result in results.values():
+        assert result["steps"] == 2 and result["median_step_s"] > 0 and result["peak_rss_bytes"] > 0
+    # Plain Lightning in bf16-mixed holds fp32 parameters, fp32 gradients and two fp32 Adam states.
+    assert results["auto"]["model_data_bytes_per_param"] == pytest.approx(16.0)
+    assert results["patrickstar"]["model_data_bytes_per_param"] > 0
