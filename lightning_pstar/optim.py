@@ -49,6 +49,35 @@ class StepResult:
     total_norm: float | None = None  # the global gradient norm, when clipping by norm
 
 
+def _fused_adam(
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+) -> None:
+    """torch's fused Adam/AdamW kernel with the hyper-parameters of one param group (as they are now)."""
+    beta1, beta2 = group["betas"]
+    adam_functional(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        fused=True,
+        decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=bool(group["maximize"]),
+    )
+
+
 class ChunkedOptimizer(Optimizer):
     """Steps ``optimizer``'s hyper-parameters on the chunks of ``manager``."""
 
@@ -228,23 +257,13 @@ class ChunkedOptimizer(Optimizer):
                         st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                beta1, beta2 = group["betas"]
-                adam_functional(
+                _fused_adam(
+                    group,
                     data,
                     g,
                     [st["exp_avg"] for st in states],
                     [st["exp_avg_sq"] for st in states],
-                    [],
                     [st["step"] for st in states],
-                    fused=True,
-                    decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-                    amsgrad=False,
-                    beta1=beta1,
-                    beta2=beta2,
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=bool(group["maximize"]),
                 )
             else:
                 for p, x, grad in zip(params, data, g, strict=True):
@@ -353,23 +372,13 @@ class ChunkedOptimizer(Optimizer):
     ) -> None:
         exp_avg = family.chunks[ChunkKind.EXP_AVG]
         exp_avg_sq = family.chunks[ChunkKind.EXP_AVG_SQ]
-        beta1, beta2 = group["betas"]
-        adam_functional(
+        _fused_adam(
+            group,
             params,
             grads,
             [exp_avg.slot_view(r.slot) for r in records],
             [exp_avg_sq.slot_view(r.slot) for r in records],
-            [],
             [self._step_tensor(r, params[0].device) for r in records],
-            fused=True,
-            decoupled_weight_decay=bool(group.get("decoupled_weight_decay", False)),
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=bool(group["maximize"]),
         )
 
     def _sgd(
