@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULT = "CKPT_RESULT "
-
 
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -98,6 +96,12 @@ def worker(args: argparse.Namespace) -> None:
 import lightning as L  # noqa: E402  (after the helpers: the parent process only needs them)
 
 
+def _record(directory: Path, row: dict[str, Any]) -> None:
+    """One JSON line per result, in a file per rank (ranks share stdout, lines could interleave)."""
+    with open(directory / f"results-rank{row['rank']}.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 class Save(L.Callback):
     """Times ``trainer.save_checkpoint`` at the end of training, on every rank."""
 
@@ -110,7 +114,7 @@ class Save(L.Callback):
         files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
         size = sum(p.stat().st_size for p in files)
         row = {"op": "save", "rank": trainer.global_rank, "s": seconds, "peak": peak, "bytes": size}
-        print(RESULT + json.dumps(row), flush=True)
+        _record(self.directory, row)
 
 
 class Load(L.Callback):
@@ -129,7 +133,7 @@ class Load(L.Callback):
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         peak = max(0, _rss_kib("VmHWM:") - self.before) * 1024
         row = {"op": self.label, "rank": trainer.global_rank, "s": time.perf_counter() - self.start, "peak": peak}
-        print(RESULT + json.dumps(row), flush=True)
+        _record(Path(os.environ["PSTAR_BENCH_DIR"]), row)
 
 
 def run(args: argparse.Namespace, fmt: str, ranks: int) -> dict[str, Any]:
@@ -137,11 +141,16 @@ def run(args: argparse.Namespace, fmt: str, ranks: int) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--worker", "--format", fmt, "--ranks", str(ranks), "--dir", tmp]
         cmd += ["--steps", str(args.steps), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
         cmd += ["--n-head", str(args.n_head), "--block-size", str(args.block_size)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PSTAR_BENCH_DIR": tmp}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{fmt} at {ranks} rank(s) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        rows = [
+            json.loads(line)
+            for f in sorted(Path(tmp).glob("results-rank*.jsonl"))
+            for line in f.read_text().splitlines()
+        ]
         shutil.rmtree(tmp, ignore_errors=True)
-    rows = [json.loads(line[len(RESULT) :]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     by_op: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_op.setdefault(row["op"], []).append(row)
