@@ -78,13 +78,12 @@ class ChunkComm:
         return tensor
 
     def to_rank0_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        """Bring ``tensor`` from rank ``src`` to rank 0 (point to point; other ranks do nothing)."""
-        if not self.distributed or src == 0:
+        """Bring ``tensor`` from rank ``src`` to rank 0; other ranks receive it too but are expected to drop it
+        at once (so each holds one chunk at a time). A broadcast rather than send/recv: point-to-point gloo
+        sends were seen to abort worker processes at exit."""
+        if not self.distributed or src == 0:  # rank 0 already holds it; nobody else keeps it
             return tensor
-        if self.rank == src:
-            dist.send(tensor, dst=dist.get_global_rank(self.group, 0) if self.group is not None else 0)
-        elif self.rank == 0:
-            dist.recv(tensor, src=dist.get_global_rank(self.group, src) if self.group is not None else src)
+        dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
