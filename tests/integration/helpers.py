@@ -3,7 +3,7 @@
 Self-contained on purpose (no import of ``lightning_pstar.demos``): a tiny GPT with tied weights and a
 frozen layer, deterministic token data, a LightningModule factory, a loss-recording callback, trainer
 factories and a plain-PyTorch reference loop that implements the mixed-precision semantics of
-``lightning_pstar/API_CONTRACT.md`` without any Lightning or chunk machinery.
+README.md's "Precision" section without any Lightning or chunk machinery.
 """
 
 from __future__ import annotations
@@ -457,7 +457,7 @@ def reference_mixed_precision(
     seed: int = SEED,
     **model_kwargs: Any,
 ) -> ReferenceRun:
-    """Train :class:`TinyGPT` with the exact mixed-precision semantics of API_CONTRACT.md.
+    """Train :class:`TinyGPT` with the exact mixed-precision semantics described in README.md (Precision).
 
     fp32 masters hold the truth; the model holds ``master.to(dtype)``; forward runs under autocast;
     (fp16 only) the loss is scaled by S before backward; per-micro-batch gradients are summed in fp32;

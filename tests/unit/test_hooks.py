@@ -96,7 +96,7 @@ def _compare_grads(
     device_limit: int | None = None,
 ) -> ChunkManager:
     model = make()
-    # the reference of mixed precision (API_CONTRACT.md): parameters are compute-dtype copies of the masters,
+    # the reference of mixed precision (README.md, Precision): parameters are compute-dtype copies of the masters,
     # the forward runs under autocast
     reference = copy.deepcopy(model).to(dtype)
     with _autocast(dtype):
