@@ -1,4 +1,4 @@
-"""bf16-mixed and 16-mixed against a plain-PyTorch loop implementing the mixed-precision semantics of README.md (Precision).
+"""bf16-mixed and 16-mixed against a plain-PyTorch loop with the semantics of README.md (Precision).
 
 The reference (``helpers.reference_mixed_precision``) keeps fp32 masters, runs the model on
 ``master.to(dtype)`` copies under autocast, scales the loss (fp16), sums gradients in fp32 over
