@@ -130,31 +130,12 @@ def train_rank(rank: int, args: argparse.Namespace, name: str) -> dict[str, Any]
     """Train once on this rank (the environment names it) and return its measurements."""
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import Callback
 
     from lightning_pstar import PatrickStarStrategy
     from lightning_pstar.demos import GPTLightningModule, StdlibCharDataModule
+    from lightning_pstar.demos.timing import StepTimer
 
     torch.set_num_threads(args.threads)
-
-    class StepTimer(Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.losses: list[float] = []
-            self._start = 0.0
-
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(
-            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
-        ) -> None:
-            self.times.append(time.perf_counter() - self._start)
-            self.losses.append(float(outputs["loss"]))
-
-        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            report = getattr(trainer.strategy, "memory_report", None)
-            self.report = report().as_dict() if callable(report) else None  # before teardown frees the chunks
 
     L.seed_everything(args.seed, verbose=False)
     total_steps = args.warmup + args.steps

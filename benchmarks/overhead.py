@@ -29,7 +29,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -105,24 +104,9 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     # Imported here so that the parent process stays light and each child pays its own import cost.
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import Callback
 
     from lightning_pstar.demos import GPTLightningModule, StdlibCharDataModule
-
-    class StepTimer(Callback):
-        """Wall time of every training batch, from batch start to batch end."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self._start = 0.0
-
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(
-            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
-        ) -> None:
-            self.times.append(time.perf_counter() - self._start)
+    from lightning_pstar.demos.timing import StepTimer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
