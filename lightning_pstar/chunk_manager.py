@@ -536,6 +536,8 @@ class ChunkManager(StateDictsMixin):
         missing = self._device_used() + nbytes - room
         if missing <= 0:
             return
+        if self.groups is not None:
+            protect = protect | self.groups.pinned  # send buffers of in-flight gathers stay in place
         candidates = [
             f.param_chunk
             for f in self.families
@@ -634,10 +636,28 @@ class ChunkManager(StateDictsMixin):
         """A training micro-batch starts; the first one of the run starts the warm-up trace."""
         self.in_training = True
         self.settle()
+        if self.groups is not None:
+            self.groups.begin_pass()
         if not self.tracer.warmed_up and not self.tracer.recording:
             self.tracer.start_recording()
         else:
             self.tracer.start_iteration()
+
+    def begin_backward(self) -> None:
+        """Every rank starts the backward of a training pass (the strategy's ``pre_backward``)."""
+        if self.groups is not None:
+            with torch.no_grad():
+                self.groups.begin_backward()
+
+    def begin_eval_pass(self) -> None:
+        """Every rank starts an evaluation step (validation, test, predict)."""
+        if self.groups is not None:
+            self.groups.begin_pass()
+
+    def end_eval_pass(self) -> None:
+        """Every rank ended an evaluation step: the remote chunks it gathered go."""
+        if self.groups is not None:
+            self.groups.flush()
 
     def step_moment(self) -> None:
         """The optimizer step is a moment of its own (it accesses every trainable family)."""
@@ -652,6 +672,8 @@ class ChunkManager(StateDictsMixin):
         if not self.tracer.recording:
             return
         self.tracer.stop_recording()
+        if self.groups is not None:
+            self._plan_group_prefetch()
         if self.device_budget is None or self.policy.name != "auto":
             return
         for index, moment in enumerate(self.tracer.trace.moments):
@@ -670,6 +692,24 @@ class ChunkManager(StateDictsMixin):
                     " chunk_size, or use activation checkpointing."
                 )
         self._plan_hybrid_optimizer()
+
+    def _plan_group_prefetch(self) -> None:
+        """ZeRO: gather the next chunk group while the current one computes, if two more groups fit the
+        device budget at the warm-up's peak on every rank (all ranks agree: one collective)."""
+        assert self.groups is not None
+        fits = True
+        if self.device_budget is not None:
+            peak = max(
+                (
+                    sum(self.families[f].param_chunk.nbytes for f in m.families) + m.non_model_bytes
+                    for m in self.tracer.trace.moments
+                    if m.kind is not MomentKind.STEP
+                ),
+                default=0,
+            )
+            fits = peak + 2 * self.groups.group_bytes() <= self.device_budget
+        enabled = self.groups.plan_prefetch(fits)
+        log.info("PatrickStar: chunk groups are %sgathered ahead of use", "" if enabled else "not ")
 
     def _plan_hybrid_optimizer(self) -> None:
         """Keep whole optimizer-state families on the device as far as the margin at the step allows."""
@@ -856,6 +896,8 @@ class ChunkManager(StateDictsMixin):
             world_size=self.world_size,
             gathered_bytes=self.comm.gathered_bytes,
             reduced_bytes=self.comm.reduced_bytes,
+            group_gathers=self.groups.gathers if self.groups is not None else 0,
+            group_prefetches=self.groups.prefetches if self.groups is not None else 0,
             prefetches=self.stats.prefetches,
             peak_non_model_bytes=trace.peak_non_model,
             moment_non_model_bytes=[m.non_model_bytes for m in trace.moments],

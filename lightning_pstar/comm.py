@@ -46,12 +46,18 @@ class ChunkComm:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def all_gather_chunks(self, buffers: Sequence[torch.Tensor], rank_in_group: int) -> None:
-        """Fill ``buffers`` (one chunk buffer per rank, same size) from their owners."""
+    def all_gather_chunks(self, buffers: Sequence[torch.Tensor], rank_in_group: int) -> Any:
+        """Start filling ``buffers`` (one chunk buffer per rank, same size) from their owners.
+
+        Returns the collective's work handle (``wait()`` before reading the buffers; on NCCL it makes the
+        current stream wait), or None with one rank. ``buffers[rank_in_group]`` is the send buffer: it must
+        stay in place until the work is done.
+        """
         if not self.distributed:
-            return
-        dist.all_gather(list(buffers), buffers[rank_in_group], group=self.group)
+            return None
+        work = dist.all_gather(list(buffers), buffers[rank_in_group], group=self.group, async_op=True)
         self.gathered_bytes += sum(b.numel() * b.element_size() for i, b in enumerate(buffers) if i != rank_in_group)
+        return work
 
     def reduce_scatter_chunks(self, inputs: Sequence[torch.Tensor], output: torch.Tensor) -> None:
         """``output`` (this rank's chunk) = the mean over ranks of ``inputs[rank]``."""
@@ -65,6 +71,11 @@ class ChunkComm:
     def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def all_reduce_min_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return tensor
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:

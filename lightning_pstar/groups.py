@@ -3,19 +3,42 @@
 Chunk *i* belongs to communication group ``i // world_size`` and is owned by rank ``i % world_size``
 (:mod:`lightning_pstar.comm`). A rank keeps the param chunk, fp32 master and optimizer states only of the
 families it owns. When a module needs a chunk of group *g*, every rank all-gathers the group's param
-chunks into local storage; the remote ones are released once nothing computes with them. In backward each
-rank writes its local gradients into a temporary fp32 buffer per family; when every trainable slot of a
-group has its gradient, the group is reduce-scattered to the owners and averaged, and the remote chunks
-are released.
+chunks into local storage; the remote ones are released once the pass has moved on. In backward each rank
+writes its local gradients into a temporary fp32 buffer per family; a group complete on every rank is
+reduce-scattered to the owners and averaged.
 
-Every decision that leads to a collective (gather a group, reduce a group) depends only on slot states,
-which evolve identically on every rank as long as every rank runs the same modules in the same order.
+[Note: one collective sequence on every rank]
+Ranks need not run the same modules: a mixture-of-experts layer routes different tokens to different
+experts on each rank, and a rank may skip an expert that another rank runs. A collective started from
+"the module that runs now" would then wait forever for a peer that never starts it, or -- worse -- pair
+with a different collective of the peer and exchange the wrong chunks. So every collective is issued at a
+point every rank reaches, in an order every rank computes the same way:
+
+- a pass *sweeps* the groups in a fixed order: ascending in forward, and in backward the reverse of the
+  forward's gathers (the tied embedding the head used last comes first). A module that needs group *g*
+  ahead of the sweep's cursor advances the cursor to *g*, gathering every group on the way: a rank that
+  skipped an expert still gathers that expert's group when it moves past it, at the same position in its
+  sequence as the rank that ran the expert;
+- at the end of a pass (backward start, end of backward, end of an evaluation step) the sweep catches up
+  to the last group, so a group only the last modules of one rank needed is gathered everywhere;
+- a group is released when the sweep has passed it and no slot in it computes (in backward, nor waits for
+  a gradient), so which groups are present -- and so whether a group needs a gather -- is the same on
+  every rank for every group the sweep has not passed. A group needed again after the sweep passed it
+  (the tied head in forward) is gathered out of order; that is safe as long as every rank needs it again
+  (a module run a second time out of order on some ranks only is not supported);
+- gradients: at every sweep step of the backward the ranks agree (one ``all_reduce(MIN)`` of a flag per
+  group) which groups are complete on every rank, and reduce-scatter those in ascending order; the rest
+  (a group with an expert one rank did not use) are reduced at the end of the backward;
+- the next group of the sweep is all-gathered asynchronously while the current one computes
+  (``prefetch``): the decision depends only on the sweep, and whether prefetching fits the device budget
+  is agreed once by all ranks after the warm-up iteration.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,11 +62,25 @@ class GroupCoordinator:
         self.world_size = comm.world_size
         self.rank = comm.rank
         self.gathered: set[int] = set()  # groups whose remote param chunks are present locally
+        self.inflight: dict[int, Any] = {}  # group -> work of an asynchronous gather (prefetch)
+        self.pinned: set[int] = set()  # families whose param chunk is the send buffer of an in-flight gather
+        self.prefetch_enabled = False  # agreed by every rank after the warm-up (plan_prefetch)
+        # the sweep (see the note above)
+        self.active = False  # a pass is under way
+        self.backward = False  # ... and it is in its backward
+        self.order: list[int] = []
+        self.position: dict[int, int] = {}
+        self.cursor = -1  # index in ``order`` of the last group the sweep reached
+        self.forward_gathers: list[int] = []  # groups gathered by this pass's forward, in order
+        # gradients
         self.local_grads: dict[int, torch.Tensor] = {}  # family -> fp32 local gradients (capacity,)
         self.local_slots: dict[int, set[int]] = {}  # family -> records with a local gradient this backward
         self.waiting: dict[int, int] = {}  # group -> trainable slots still without a local gradient
         self.reduced: set[int] = set()  # groups reduced in the current backward
         self._poison: dict[torch.dtype, torch.Tensor] = {}
+        # counters (memory report, tests)
+        self.gathers = 0
+        self.prefetches = 0
 
     # ---- ownership --------------------------------------------------------------------------------------
     def owns(self, family: ChunkFamily) -> bool:
@@ -69,45 +106,153 @@ class GroupCoordinator:
             self._poison[dtype] = poison
         record.param.data = poison.expand(record.slot.shape)
 
+    # ---- passes -----------------------------------------------------------------------------------------
+    def _start_sweep(self, order: Iterable[int], *, backward: bool) -> None:
+        self.order = list(order)
+        self.position = {g: i for i, g in enumerate(self.order)}
+        self.cursor = -1
+        self.backward = backward
+        self.active = True
+
+    def begin_pass(self) -> None:
+        """Every rank starts a forward pass (a training micro-batch, an evaluation step)."""
+        self.flush()
+        self.forward_gathers = []
+        self._start_sweep(range(self.num_groups()), backward=False)
+
+    def begin_backward(self) -> None:
+        """Every rank starts the backward of the pass: the forward sweep catches up, and the backward sweep
+        runs in the reverse order of the forward's gathers."""
+        if self.backward:
+            return
+        if not self.active:
+            self.begin_pass()
+        self._sweep_to(len(self.order) - 1, protect=set())
+        self._release_passed()
+        seen: set[int] = set()
+        order: list[int] = []
+        for group in reversed(self.forward_gathers):
+            if group not in seen:
+                seen.add(group)
+                order.append(group)
+        order += [g for g in reversed(range(self.num_groups())) if g not in seen]
+        self._start_sweep(order, backward=True)
+        self.waiting = {}
+        for group in range(self.num_groups()):
+            count = sum(1 for f in self.members(group) if f.trainable for _ in f.records)
+            if count:
+                self.waiting[group] = count
+        self.reduced = set()
+
+    def flush(self) -> None:
+        """End of a pass: catch the sweep up (collectives a peer may need), reduce every group not reduced
+        yet (parameters without a gradient on some rank), release every remote chunk."""
+        if self.active:
+            self._sweep_to(len(self.order) - 1, protect=set())
+            if self.backward:
+                for group in sorted(self.waiting):
+                    if group not in self.reduced:
+                        self.reduce_group(group)
+        self.active = False
+        self.backward = False
+        self.waiting.clear()
+        self.reduced.clear()
+        self.release_all()
+
     # ---- forward / backward access ----------------------------------------------------------------------
     def ensure_gathered(self, families: list[ChunkFamily], protect: set[int]) -> None:
-        """All-gather every group of ``families`` that is not present locally (collective, in group order)."""
-        for group in sorted({self.group_of(f) for f in families}):
-            if group in self.gathered:
-                continue
-            members = self.members(group)
-            own = members[self.rank]
-            manager = self.manager
-            guard = protect | {f.family_id for f in members}
-            manager.fetch(own, protect=guard)
-            for family in members:
-                if family is own:
-                    continue
-                chunk = family.param_chunk
+        """Make every group of ``families`` present locally (collectives in sweep order, see the note)."""
+        if not self.active:
+            self.begin_pass()  # a forward outside the steps Lightning runs (a callback calling the model)
+        if self.manager.in_backward and not self.backward:
+            self.begin_backward()  # a backward not started through the strategy (loss.backward() by hand)
+        groups = sorted({self.group_of(f) for f in families}, key=self.position.__getitem__)
+        guard = protect | self.pinned | {m.family_id for g in groups for m in self.members(g)}
+        for group in groups:
+            if self.position[group] > self.cursor:
+                self._sweep_to(self.position[group], guard)
+            elif group not in self.gathered:
+                self._gather(group, guard)  # used again after the sweep passed it (a tied head)
+                if self.backward:
+                    self._reduce_complete()
+        self._release_passed(keep=set(groups))  # the slots of this access are not marked COMPUTE yet
+        self._prefetch_next(guard)
+
+    def _sweep_to(self, index: int, protect: set[int]) -> None:
+        while self.cursor < index:
+            self.cursor += 1
+            group = self.order[self.cursor]
+            if group not in self.gathered:
+                self._gather(group, protect)
+            if self.backward:
+                self._reduce_complete()
+
+    def _start_gather(self, group: int, protect: set[int]) -> Any:
+        manager = self.manager
+        members = self.members(group)
+        own = members[self.rank]
+        guard = protect | self.pinned | {f.family_id for f in members}
+        manager.fetch(own, protect=guard)
+        for family in members:
+            chunk = family.param_chunk
+            if family is not own and chunk.tier is not Tier.DEVICE:
                 manager.ensure_device_room(chunk.nbytes, protect=guard)
                 chunk.allocate(Tier.DEVICE, zero=False)
-            with torch.profiler.record_function("pstar::all_gather"):
-                self.comm.all_gather_chunks([f.param_chunk.data for f in members], self.rank)
-            for family in members:
-                if family is not own:
-                    for record in family.records:
-                        manager.point_at_chunk(record)
-            self.gathered.add(group)
+        self.pinned.add(own.family_id)  # the send buffer stays in place until the gather is done
+        with torch.profiler.record_function("pstar::all_gather"):
+            work = self.comm.all_gather_chunks([f.param_chunk.data for f in members], self.rank)
+        self.gathers += 1
+        return work
 
+    def _gather(self, group: int, protect: set[int]) -> None:
+        work = self.inflight.pop(group, None) if group in self.inflight else self._start_gather(group, protect)
+        self._finish_gather(group, work)
+
+    def _finish_gather(self, group: int, work: Any) -> None:
+        if work is not None:
+            with torch.profiler.record_function("pstar::all_gather_wait"):
+                work.wait()
+        members = self.members(group)
+        self.pinned.discard(members[self.rank].family_id)
+        for family in members:
+            if family is not members[self.rank]:
+                for record in family.records:
+                    self.manager.point_at_chunk(record)
+        self.gathered.add(group)
+        if not self.backward:
+            self.forward_gathers.append(group)
+
+    def _prefetch_next(self, protect: set[int]) -> None:
+        """Start gathering the sweep's next group while the current one computes."""
+        if not self.prefetch_enabled or self.cursor + 1 >= len(self.order):
+            return
+        group = self.order[self.cursor + 1]
+        if group in self.gathered or group in self.inflight:
+            return
+        self.inflight[group] = self._start_gather(group, protect)
+        self.prefetches += 1
+
+    def plan_prefetch(self, fits_here: bool) -> bool:
+        """After the warm-up: prefetch only if it fits the device budget on every rank (one collective)."""
+        flag = torch.tensor([1 if fits_here else 0], dtype=torch.int32, device=self.manager.device)
+        self.prefetch_enabled = bool(self.comm.all_reduce_min_(flag).item())
+        return self.prefetch_enabled
+
+    def group_bytes(self) -> int:
+        """Device bytes of one group's param chunks (what a prefetch adds)."""
+        return max((sum(f.param_chunk.nbytes for f in self.members(g)) for g in range(self.num_groups())), default=0)
+
+    # ---- release ----------------------------------------------------------------------------------------
     def release_idle(self, families: list[ChunkFamily]) -> None:
-        """Release the remote chunks of groups in which nothing computes (local gradients live elsewhere),
-        unless the warm-up trace says the next moment uses the group again (saves a gather per module)."""
-        upcoming = self.manager.next_moment_families()
-        # in a training pass a group stays until every slot in it is done with this pass (forward: used,
-        # so HOLD_AFTER_FWD; backward: its gradient taken or its module done, so not HOLD_AFTER_FWD any
-        # more), as the original releases a remote chunk; without autograd it goes as soon as it is idle
-        pending: TensorState | None = None
-        if self.manager.in_training and torch.is_grad_enabled():
-            pending = TensorState.HOLD_AFTER_FWD if self.manager.in_backward else TensorState.HOLD
-        for group in sorted({self.group_of(f) for f in families}):
-            if group not in self.gathered:
-                continue
-            if upcoming is not None and any(f.family_id in upcoming for f in self.members(group)):
+        """A module is done with its slots: release what the sweep has passed and nothing uses."""
+        self._release_passed()
+
+    def _release_passed(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        # in backward a group also stays while a slot in it waits for its final gradient (a tied weight used
+        # again further down), as the original releases a remote chunk
+        pending = TensorState.HOLD_AFTER_FWD if self.backward else TensorState.COMPUTE
+        for group in sorted(self.gathered):
+            if group in keep or self.position.get(group, -1) >= self.cursor:
                 continue
             members = self.members(group)
             if any(s.state is TensorState.COMPUTE or s.state is pending for f in members for s in f.slots):
@@ -124,24 +269,27 @@ class GroupCoordinator:
         self.gathered.discard(group)
 
     def release_all(self) -> None:
+        for group, work in sorted(self.inflight.items()):
+            self._finish_gather(group, work)  # never free a buffer a collective still writes
+        self.inflight.clear()
         for group in sorted(self.gathered):
             members = self.members(group)
             if not any(s.state is TensorState.COMPUTE for f in members for s in f.slots):
                 self._release_group(group)
 
     # ---- gradients --------------------------------------------------------------------------------------
-    def begin_backward_bookkeeping(self) -> None:
-        if self.waiting:
-            return
-        for group in range(self.num_groups()):
-            count = sum(1 for f in self.members(group) if f.trainable for r in f.records)
-            if count:
-                self.waiting[group] = count
-
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        """Keep a local gradient until its group is complete, then reduce the group."""
-        self.begin_backward_bookkeeping()
+        """Keep a local gradient until its group is complete on every rank (reduced at a sweep step)."""
+        if not self.backward:
+            self.begin_backward()
         family = record.family
+        group = self.group_of(family)
+        if group in self.reduced:
+            raise RuntimeError(
+                f"parameter '{record.names[0]}' received a gradient after its chunk group was reduced in this"
+                " backward (it was used outside any module's forward after its group completed). HINT: call it"
+                " through its module, or train on one rank."
+            )
         buf = self.local_grads.get(family.family_id)
         if buf is None:
             buf = torch.zeros(family.capacity, dtype=torch.float32, device=self.manager.device)
@@ -153,21 +301,19 @@ class GroupCoordinator:
         else:
             view.copy_(grad)
             slots.add(record.index)
+            self.waiting[group] -= 1
         record.slot.set_state(TensorState.HOLD, chunk_id=family.family_id)  # the weight is still in the slot
-        group = self.group_of(family)
-        self.waiting[group] -= 1
-        if self.waiting[group] == 0:
-            self.reduce_group(group)
 
-    def flush(self) -> None:
-        """End of backward: reduce every trainable group not reduced yet (parameters without gradients)."""
-        if self.waiting:
-            for group in sorted(self.waiting):
-                if group not in self.reduced:
-                    self.reduce_group(group)
-        self.waiting.clear()
-        self.reduced.clear()
-        self.release_all()
+    def _reduce_complete(self) -> None:
+        """Reduce the groups complete on every rank (a sweep step: every rank is here)."""
+        candidates = [g for g in self.waiting if g not in self.reduced]
+        if not candidates:
+            return
+        done = torch.tensor([self.waiting[g] == 0 for g in candidates], dtype=torch.uint8, device=self.manager.device)
+        self.comm.all_reduce_min_(done)
+        for group, complete in zip(candidates, done.tolist(), strict=True):
+            if complete:
+                self.reduce_group(group)
 
     def reduce_group(self, group: int) -> None:
         """Reduce-scatter (average) the group's local gradients into the owners' chunks."""
@@ -196,8 +342,6 @@ class GroupCoordinator:
             if present[offset + i]:
                 manager.store_reduced_grad(record, output[record.slot.offset : record.slot.offset + record.slot.numel])
         self.reduced.add(group)
-        self.waiting[group] = 0
-        self._release_group(group)
 
     def discard(self) -> None:
         """Forget local gradients that were never reduced (zero_grad before a step)."""

@@ -38,6 +38,8 @@ class MemoryReport:
     world_size: int = 1
     gathered_bytes: int = 0  # received by all-gathers of chunk groups (ZeRO data parallelism)
     reduced_bytes: int = 0  # sent to reduce-scatters of gradients
+    group_gathers: int = 0  # all-gathers of chunk groups started (prefetches included)
+    group_prefetches: int = 0  # ... of which started ahead of use, overlapping the current group's compute
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +75,7 @@ class MemoryReport:
             ("rank / world size", f"{self.rank} / {self.world_size}"),
             ("all-gathered", fmt(self.gathered_bytes)),
             ("reduce-scattered", fmt(self.reduced_bytes)),
+            ("group gathers (ahead of use)", f"{self.group_gathers} ({self.group_prefetches})"),
         ]
         width = max(len(k) for k, _ in rows)
         return "PatrickStar memory report\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -239,6 +239,31 @@ class PatrickStarStrategy(DDPStrategy):
             self._manager.in_training = False
             self._manager.settle()
 
+    @contextmanager
+    def _eval_pass(self) -> Generator[None, None, None]:
+        # with several ranks, an evaluation step is a pass of its own: its gathers start and end on every rank
+        manager = self._manager
+        if manager is not None:
+            manager.begin_eval_pass()
+        yield  # a step that raises ends the pass on this rank only: no collectives after it
+        if manager is not None:
+            manager.end_eval_pass()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._eval_pass():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._eval_pass():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._eval_pass():
+            return super().predict_step(*args, **kwargs)
+
     @override
     def on_validation_start(self) -> None:
         self._leave_training()
@@ -264,7 +289,8 @@ class PatrickStarStrategy(DDPStrategy):
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        pass
+        if self._manager is not None:
+            self._manager.begin_backward()  # every rank is here: collectives may start (see groups.py)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -206,19 +206,8 @@ def ddp_records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 
 
 # 64-element chunks: every Linear weight of every expert in a chunk of its own, so a rank that skips an expert
-# skips the collectives of chunk groups the other rank needs; the default size puts the whole model in one group
-# Known engine limitation (open): ZeRO collectives are started from the modules each rank runs, so ranks that
-# skip different experts reach different collectives. strict=True: this fails loudly once it is fixed.
-_DIVERGENT_COLLECTIVES = pytest.mark.xfail(
-    strict=True, reason="groups.py starts collectives per executed module; ranks skipping different experts diverge"
-)
-
-
-@pytest.mark.parametrize(
-    "chunk_size",
-    [pytest.param(None, marks=_DIVERGENT_COLLECTIVES), pytest.param(64, marks=_DIVERGENT_COLLECTIVES)],
-    ids=["default-chunks", "expert-per-group"],
-)
+# skips the modules of chunk groups the other rank needs; the default size puts the whole model in one group
+@pytest.mark.parametrize("chunk_size", [None, 64], ids=["default-chunks", "expert-per-group"])
 def test_experts_skipped_on_different_ranks(
     chunk_size: int | None, ddp_records: list[dict[str, Any]], tmp_path: Path
 ) -> None:
