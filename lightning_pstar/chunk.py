@@ -13,7 +13,9 @@ The parameters themselves point at the buffer of the tier that currently holds t
 manager re-points them whenever the chunk moves (which never happens while a module computes with it).
 A parameter therefore never refers to freed memory: reading a weight whose chunk is on HOST reads the
 HOST copy instead of crashing the process. Before a module runs again its chunk is fetched, and the
-parameter points at the (refilled) device storage again, before autograd can save anything new.
+parameter points at the (refilled) device storage again, before autograd can save anything new. (In mixed
+precision, while a param slot holds its gradient -- after backward, until the step -- the parameter points
+at its fp32 master instead: ``ChunkManager.point_at_chunk``.)
 """
 
 from __future__ import annotations

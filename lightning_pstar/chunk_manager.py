@@ -130,6 +130,9 @@ class ChunkManager(StateDictsMixin):
         self._tick = 0
         self._materialised = False
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches copy on this stream
+        # bumped whenever weights change (optimizer step, load): a weight autograd saved by reference
+        # (hooks.py, saved tensors) must read the same version in backward
+        self.weights_version = 0
 
         self.device_budget = self._default_device_budget(config)
         host_limit = config.host_limit_bytes
@@ -451,6 +454,7 @@ class ChunkManager(StateDictsMixin):
 
     def _fill_slot(self, record: ParamRecord, value: torch.Tensor) -> None:
         family = record.family
+        self.weights_version += 1
         with torch.no_grad():
             family.param_chunk.slot_view(record.slot).copy_(value)
             if ChunkKind.MASTER in family.chunks:
@@ -498,12 +502,25 @@ class ChunkManager(StateDictsMixin):
         """Point the parameter at its slot in the buffer of the tier that holds its chunk.
 
         See [Note: storage identity] in ``chunk.py``: parameters move between the two storages of their
-        chunk only when the chunk moves, which never happens while a module computes with it.
+        chunk only when the chunk moves, which never happens while a module computes with it. While the
+        param slot holds the gradient (mixed precision, between backward and the step) the parameter
+        points at its fp32 master instead, so that reading it gives the weight, never the gradient.
         """
-        chunk = record.family.param_chunk
+        family = record.family
+        chunk = family.param_chunk
+        if record.slot_holds_grad and ChunkKind.MASTER in family.chunks:
+            chunk = family.chunks[ChunkKind.MASTER]
         record.param.data = chunk.buffer[record.slot.offset : record.slot.offset + record.slot.numel].view(
             record.slot.shape
         )
+
+    def set_slot_holds_grad(self, record: ParamRecord, holds: bool) -> None:
+        """Chunk reuse (mixed precision): say whether ``record``'s param slot holds its gradient, and point
+        the parameter at its weight: the fp32 master while it does, the param slot again afterwards."""
+        if record.slot_holds_grad is holds:
+            return
+        record.slot_holds_grad = holds
+        self.point_at_chunk(record)
 
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
         """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.
@@ -724,6 +741,9 @@ class ChunkManager(StateDictsMixin):
                 continue
             for chunk in side:
                 chunk.move_to(Tier.DEVICE)
+            for record in family.records:
+                if record.slot_holds_grad:  # the parameter reads its master (see point_at_chunk)
+                    self.point_at_chunk(record)
             margin -= nbytes
             moved += 1
         log.info("PatrickStar: %d of %d optimizer-state families run on the device", moved, len(self.families))
@@ -777,7 +797,7 @@ class ChunkManager(StateDictsMixin):
             if self.mixed and not self.accumulating:
                 target_chunk = family.param_chunk
                 self._copy_in(target_chunk, record.slot, grad, add=False)
-                record.slot_holds_grad = True
+                self.set_slot_holds_grad(record, True)
             else:
                 target_chunk = self._grad_chunk(family)
                 self._copy_in(target_chunk, record.slot, grad, add=record.grad_chunk_has_data)
@@ -791,7 +811,7 @@ class ChunkManager(StateDictsMixin):
         view = grad.view(record.slot.shape)
         if self.mixed and not self.accumulating and ChunkKind.GRAD not in family.chunks:
             self._copy_in(family.param_chunk, record.slot, view, add=False)  # chunk reuse: 14 bytes/param
-            record.slot_holds_grad = True
+            self.set_slot_holds_grad(record, True)
         else:
             self._copy_in(self._grad_chunk(family), record.slot, view, add=record.grad_chunk_has_data)
             record.grad_chunk_has_data = True
@@ -848,7 +868,7 @@ class ChunkManager(StateDictsMixin):
                     with torch.no_grad():
                         family.param_chunk.slot_view(record.slot).copy_(master.slot_view(record.slot))
             for record in family.records:
-                record.slot_holds_grad = False
+                self.set_slot_holds_grad(record, False)
                 record.grad_chunk_has_data = False
                 if record.slot.state is TensorState.HOLD_AFTER_BWD:
                     record.slot.set_state(TensorState.HOLD, chunk_id=family.family_id)

@@ -7,18 +7,40 @@
 - post-backward of M (a grad hook on M's inputs): slots still in ``COMPUTE`` leave it, so the chunks of a
   tied weight whose gradient is not final yet are not pinned for the rest of the backward;
 - gradient of p final (``register_post_accumulate_grad_hook``): the chunk manager stores it in the slot;
-- BatchNorm in mixed precision: running statistics in the compute dtype during its forward (see below).
+- BatchNorm in mixed precision: running statistics in the compute dtype during its forward (see below);
+- training forward: weights autograd saves for backward outside their modules are saved by reference
+  (:meth:`ModelHooks.saved_tensors`, [Note: saved weights]).
+
+[Note: saved weights]
+A module's own parameters are saved by autograd as views of the device buffer while the module computes;
+its pre-backward hook makes the chunk resident again in the same storage (the storage-identity note in
+``chunk.py``). A weight used *outside* its module (``F.linear(x, self.emb.weight)`` in a parent's forward,
+a hand-tied output projection) has no such hook: its chunk may be on HOST when the weight is saved (the
+fetch back frees the host storage) or evicted before the backward that reads it. So during a training
+forward one ``saved_tensors_hooks`` pair (which also does the warm-up's accounting of non-model memory)
+packs a saved tensor that is a chunk-backed parameter, or a view of one (``W.t()``), whose slot is not in
+``COMPUTE`` as a reference to its :class:`ParamRecord` and geometry (a dict lookup by id per saved tensor).
+Unpacking makes the chunk resident on the device (the manager's ``fetch``) and returns the same view of the
+device buffer; the backward node uses it at once and drops it. Other chunks the same node unpacked are
+protected from eviction meanwhile. The weight cannot change in between: its gradient becomes final (the
+slot then holds it in mixed precision) only after every node that saved it has run, a slot holding the
+gradient is read from the fp32 master, and an optimizer step or load in between raises (as plain PyTorch
+raises for a weight modified in place). With several ranks a chunk is gathered only while one of its
+modules runs, so such a use is refused with an error naming the parameter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_pstar.chunk import ChunkKind
 from lightning_pstar.chunk_manager import ChunkManager, ParamRecord
 from lightning_pstar.memory_tracer import MomentKind
 from lightning_pstar.state import TensorState
@@ -48,6 +70,39 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class _SavedWeight:
+    """What autograd keeps of a saved chunk-backed weight: its record and its view of the slot."""
+
+    record: ParamRecord
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # storage offset in the chunk buffer (the same on both tiers)
+    dtype: torch.dtype
+    weights_version: int  # the manager's weights_version when saved (the engine's writes: steps, loads)
+    version: int  # the parameter's own version counter when saved (the user's in-place writes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    """Any other saved tensor, kept as autograd keeps it without hooks."""
+
+    tensor: torch.Tensor  # detached when it has a grad_fn: an output saved as itself would make a reference
+    # cycle through it, and a graph dropped without backward would never be freed. A leaf (a parameter) is
+    # kept itself, as autograd keeps it: it reads the tier its chunk is on when unpacked.
+    version: int  # its version counter when saved: autograd's in-place check, which hooks turn off
+    token: Any  # the warm-up's accounting of non-model memory (None when not counted)
+
+
+def _modified_in_place(tensor: torch.Tensor, saved: int, now: int) -> RuntimeError:
+    # autograd's own message (it does not check tensors packed by hooks, so this check stands in for it)
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation:"
+        f" [{tensor.dtype} {list(tensor.shape)}] is at version {now}; expected version {saved} instead. HINT: do not"
+        " modify in place a tensor (or a weight) that the forward used before its backward has run."
+    )
+
+
 class ModelHooks:
     """Installs and removes every hook the engine needs on one model."""
 
@@ -55,6 +110,8 @@ class ModelHooks:
         self.manager = manager
         self._handles: list[Any] = []
         self._stats_stash: dict[nn.Module, dict[str, torch.Tensor]] = {}  # fp32 running stats during a forward
+        self._unpack_node: Any = None  # the autograd node unpacking saved weights now (held until the next)
+        self._unpack_pins: set[int] = set()  # families it read from: not evicted while it runs
 
     def install(self) -> None:
         for index, (module, records) in enumerate(self.manager.module_records.items()):
@@ -113,8 +170,91 @@ class ModelHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._unpack_node = None
+        self._unpack_pins = set()
         for module in list(self._stats_stash):  # a forward that raised: hand back the fp32 statistics
             self._stats_back_to_buffers(module)
+
+    # ---- tensors autograd saves for backward ([Note: saved weights]) ----------------------------------
+    @contextmanager
+    def saved_tensors(self) -> Generator[None, None, None]:
+        """Around a training forward: saved weights by reference, and the warm-up's saved-tensor accounting."""
+        self._unpack_node = None
+        self._unpack_pins = set()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        by_id = self.manager._by_id
+        record = by_id.get(id(tensor))
+        owner: torch.Tensor | None = tensor
+        if record is None:
+            owner = tensor._base
+            record = by_id.get(id(owner)) if owner is not None else None
+        if record is not None and record.param is owner:
+            packed = self._pack_weight(record, tensor)
+            if packed is not None:
+                return packed
+        tracer = self.manager.tracer
+        saved = tensor.detach() if tensor.requires_grad and not tensor.is_leaf else tensor
+        return _Saved(saved, tensor._version, tracer.count(saved) if tracer.counting else None)
+
+    def _pack_weight(self, record: ParamRecord, tensor: torch.Tensor) -> _SavedWeight | None:
+        manager = self.manager
+        if record.slot.state is TensorState.COMPUTE:
+            return None  # its module computes: the module's own hooks bring it back (storage identity)
+        if manager.groups is not None:
+            names = ", ".join(f"'{n}'" for n in record.names)
+            raise RuntimeError(
+                f"Parameter {names} is used outside the module that owns it (e.g. `F.linear(x,"
+                " self.emb.weight)` in a parent's forward) and autograd saves it for backward. With several"
+                " ranks its chunk is gathered only while one of its modules runs, so this use is not"
+                " supported. HINT: use the weight through a module (tie it with `head.weight = emb.weight`"
+                " and call `head(x)`), or train on one rank."
+            )
+        chunk = record.family.param_chunk
+        if record.slot_holds_grad or tensor.dtype != chunk.dtype:
+            return None  # not a view of the param chunk (the parameter reads its master now)
+        return _SavedWeight(
+            record=record,
+            size=tuple(tensor.size()),
+            stride=tuple(tensor.stride()),
+            offset=int(tensor.storage_offset()),
+            dtype=tensor.dtype,
+            weights_version=manager.weights_version,
+            version=tensor._version,
+        )
+
+    def _unpack(self, packed: _Saved | _SavedWeight) -> torch.Tensor:
+        if isinstance(packed, _Saved):
+            tensor = packed.tensor
+            if tensor._version != packed.version:
+                raise _modified_in_place(tensor, packed.version, tensor._version)
+            return tensor
+        manager = self.manager
+        record = packed.record
+        if record.param._version != packed.version:
+            raise _modified_in_place(record.param, packed.version, record.param._version)
+        if packed.weights_version != manager.weights_version:
+            raise RuntimeError(
+                f"Parameter '{record.names[0]}' was saved for backward and has changed since (an optimizer step"
+                " or a checkpoint load ran between this forward and its backward). HINT: call backward before"
+                " the optimizer steps, as plain PyTorch requires for weights modified in place."
+            )
+        family = record.family
+        slot = record.slot
+        if record.slot_holds_grad:
+            # the gradient is final already (a graph run backward twice): the weight is the fp32 master's
+            master = family.chunks[ChunkKind.MASTER].slot_view(slot).reshape(-1)
+            flat = master.to(device=manager.device, dtype=packed.dtype)
+            return flat.as_strided(packed.size, packed.stride, packed.offset - slot.offset)
+        node = torch._C._current_autograd_node()
+        if node is not self._unpack_node:  # a new node: the views the last one read are dropped
+            self._unpack_node = node
+            self._unpack_pins = set()
+        manager.fetch(family, protect=self._unpack_pins)
+        self._unpack_pins.add(family.family_id)
+        return family.param_chunk.data.as_strided(packed.size, packed.stride, packed.offset)
 
     # ---- factories (closures keep the per-module record list; nothing is stored on the module) --------
     def _make_pre_forward(self, index: int, records: Sequence[ParamRecord]) -> Any:

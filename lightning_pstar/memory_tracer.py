@@ -7,19 +7,19 @@ accessed and the peak of non-model memory until the next moment. Later iteration
 ``budget - non_model[t]``.
 
 Non-model memory is measured with the CUDA allocator on a GPU (peak between moments, minus chunk bytes)
-and, on the simulated device, as the bytes of tensors autograd saves for backward
-(``torch.autograd.graph.saved_tensors_hooks``), excluding views of chunks, which are model data.
+and, on the simulated device, as the bytes of tensors autograd saves for backward, excluding views of
+chunks, which are model data. The saved-tensor hooks themselves are installed by
+:meth:`lightning_pstar.hooks.ModelHooks.saved_tensors` (one pair for the whole engine), which hands every
+saved tensor that is not a chunk-backed weight to :meth:`MemoryTracer.count` while :attr:`counting`.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 import torch
 
@@ -111,30 +111,24 @@ class MemoryTracer:
     def _release(self, nbytes: int) -> None:
         self._live -= nbytes
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    @property
+    def counting(self) -> bool:
+        """Whether saved tensors are counted now (a recorded training step on the simulated device)."""
+        return self.recording and not self.cuda
+
+    def count(self, tensor: torch.Tensor) -> _SavedToken | None:
+        """Count a tensor autograd saves for backward until the returned token dies (keep it beside the tensor);
+        None when it is not counted."""
         storage = tensor.untyped_storage()
         # a view of a chunk (on either tier; chunks move and re-allocate during the step): model data
         if storage.data_ptr() in self._chunk_storage_ptrs():
-            return tensor
+            return None
         if tensor.device.type != self.device.type:
-            return tensor
+            return None
         nbytes = storage.nbytes()
         self._live += nbytes
         self._peak = max(self._peak, self._live)
-        return (tensor, _SavedToken(nbytes, self._release))
-
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
-        return packed[0] if isinstance(packed, tuple) else packed
-
-    @contextmanager
-    def watch(self) -> Generator[None, None, None]:
-        """Count saved tensors during a recorded training step (no-op outside recording or on CUDA)."""
-        if not self.recording or self.cuda:
-            yield
-            return
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        return _SavedToken(nbytes, self._release)
 
     def _non_model_now_and_reset(self) -> int:
         if self.cuda:

@@ -180,6 +180,7 @@ class ChunkedOptimizer(Optimizer):
                         coef = float("nan")  # as torch's clip_grad_norm_ (error_if_nonfinite=False) does
             for family in families:
                 self._step_family(family, coef)
+            manager.weights_version += 1  # weights autograd saved by reference are stale now
             self._step_host_params(host_grads, coef)
             self.zero_grad()
         return loss
@@ -351,7 +352,7 @@ class ChunkedOptimizer(Optimizer):
             for record in family.records:
                 if record.index in grads:
                     family.param_chunk.slot_view(record.slot).copy_(master.slot_view(record.slot))
-                    record.slot_holds_grad = False
+                    manager.set_slot_holds_grad(record, False)  # the parameter points at the new weight again
 
     def _step_tensor(self, record: ParamRecord, device: torch.device) -> torch.Tensor:
         step = self._steps.get(record.index)

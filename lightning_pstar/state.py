@@ -42,7 +42,8 @@ class TensorState(str, Enum):
     """Forward of the owning module finished; backward will need the value again."""
     HOLD_AFTER_BWD = "hold_after_bwd"
     """The gradient is final for the coming optimizer step. In mixed precision the slot holds the
-    gradient, not the weight, until the optimizer step writes the weight back."""
+    gradient, not the weight, until the optimizer step writes the weight back (the parameter reads its
+    fp32 master meanwhile)."""
 
 
 class ChunkState(str, Enum):

@@ -45,6 +45,9 @@ class StateDictsMixin:
     def _fill_slot(self, record: ParamRecord, value: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def set_slot_holds_grad(self, record: ParamRecord, holds: bool) -> None:
+        raise NotImplementedError
+
     # ---- state dicts ----------------------------------------------------------------------------------
     def master_view(self, record: ParamRecord) -> torch.Tensor:
         """The fp32 truth of a parameter on whatever tier it lives (the param slot in 32-true, frozen too)."""
@@ -151,7 +154,7 @@ class StateDictsMixin:
             for record, value in values:
                 if self.owns(record.family):
                     self._fill_slot(record, value)
-                record.slot_holds_grad = False
+                self.set_slot_holds_grad(record, False)  # the slot holds the loaded weight
             for key, value in state_dict.items():
                 if key in buffers and key not in param_names:
                     buffers[key].copy_(value)
@@ -205,7 +208,7 @@ class StateDictsMixin:
             for key, value in values.items():
                 record = expected[key]
                 self._fill_slot(record, value)
-                record.slot_holds_grad = False
+                self.set_slot_holds_grad(record, False)  # the slot holds the loaded weight
             named = dict(self.module.named_buffers())
             for key, value in buffers.items():
                 if key in named:

@@ -223,8 +223,9 @@ class PatrickStarStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        manager = self._require_manager()
-        with manager.tracer.watch():
+        self._require_manager()
+        assert self._hooks is not None
+        with self._hooks.saved_tensors():
             return super().training_step(*args, **kwargs)
 
     @override

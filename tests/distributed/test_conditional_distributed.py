@@ -103,6 +103,7 @@ class MoEModule(L.LightningModule):
         torch.manual_seed(SEED)
         self.net = MoE()
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
         self.called: list[list[int]] = []
         self.weights: list[dict[str, list[float]]] = []
         self.counts: list[dict[str, int]] = []
@@ -117,6 +118,12 @@ class MoEModule(L.LightningModule):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         self.losses.append(float(loss.detach()))
         return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        # evaluation passes too: the ranks route their batches to different experts (see PATTERN)
+        x, y = batch
+        logits = self.net(x)
+        self.val_losses.append(float(F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))))
 
     def _snapshot(self) -> None:
         # collectives under PatrickStar: every rank calls them, rank 0 keeps the result
@@ -140,6 +147,7 @@ class MoEModule(L.LightningModule):
             "world_size": self.trainer.world_size,
             "global_step": self.trainer.global_step,
             "losses": self.losses,
+            "val_losses": self.val_losses,
             "called": self.called,
             "weights": self.weights,
             "counts": self.counts,
@@ -154,6 +162,9 @@ class MoEModule(L.LightningModule):
         dataset = make_dataset()
         sampler = DistributedSampler(dataset, num_replicas=2, rank=self.global_rank, shuffle=False)
         return DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
 
 
 def fit_all(specs: list[Spec]) -> None:
@@ -174,6 +185,8 @@ def fit_all(specs: list[Spec]) -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
+            val_check_interval=3,  # after steps 3 and 6, two batches each
+            limit_val_batches=2,
             use_distributed_sampler=False,
         )
         trainer.fit(MoEModule(spec))
@@ -221,6 +234,9 @@ def test_experts_skipped_on_different_ranks(
         assert g["called"] == r["called"] == [sorted(experts_on(rank, s)) for s in range(STEPS)]
         for i, (a, b) in enumerate(zip(g["losses"], r["losses"], strict=True)):
             assert abs(a - b) <= LOSS_RTOL * abs(b), f"rank {rank} step {i}: patrickstar {a!r} vs ddp {b!r}"
+        assert len(g["val_losses"]) == len(r["val_losses"]) == 4
+        for i, (a, b) in enumerate(zip(g["val_losses"], r["val_losses"], strict=True)):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), f"rank {rank} validation {i}: patrickstar {a!r} vs ddp {b!r}"
     # rank 0's snapshots after every step
     assert gots[0]["counts"] == refs[0]["counts"], "AdamW step counts differ from DDP's"
     weights, counts = gots[0]["weights"], gots[0]["counts"]

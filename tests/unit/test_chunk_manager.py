@@ -445,8 +445,9 @@ def test_grad_ready_mixed_writes_into_the_param_slot() -> None:
     assert record.slot.state is TensorState.HOLD_AFTER_BWD
     assert torch.equal(record.family.param_chunk.slot_view(record.slot), grad)
     assert ChunkKind.GRAD not in record.family.chunks  # chunk reuse: no extra gradient memory
-    # the weight lives on in the fp32 master
+    # the weight lives on in the fp32 master, and the parameter reads it there until the step
     assert torch.equal(manager.master_view(record), weight)
+    assert model[1].weight.dtype == torch.float32 and torch.equal(model[1].weight.detach(), weight)
 
 
 def test_grad_ready_fp32_writes_into_the_grad_chunk() -> None:
@@ -524,10 +525,14 @@ def test_discard_grads_restores_weights_from_masters() -> None:
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     for record in manager.records:
         manager.grad_ready(record, torch.full(record.slot.shape, 7.0, dtype=torch.bfloat16))
-    assert torch.all(model[0].weight == 7.0)
+        assert torch.all(record.family.param_chunk.slot_view(record.slot) == 7.0)  # the slot holds the gradient
+        assert torch.equal(record.param.detach(), manager.master_view(record))  # the parameter its fp32 master
     manager.discard_grads()
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), weights[name]), name
+    for record in manager.records:  # views of the param slots again, in the compute dtype
+        slot = record.family.param_chunk.slot_view(record.slot)
+        assert record.param.dtype == torch.bfloat16 and record.param.data_ptr() == slot.data_ptr()
     assert all(r.slot.state is TensorState.HOLD for r in manager.records)
     assert not any(r.slot_holds_grad or r.grad_chunk_has_data for r in manager.records)
     assert not any(f.has_grads() for f in manager.families)

@@ -11,10 +11,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_pstar.chunk import ChunkKind
-from lightning_pstar.chunk_manager import ChunkManager, ParamRecord
+from lightning_pstar.chunk_manager import ChunkManager, MemoryBudgetError, ParamRecord
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.hooks import ModelHooks
 from lightning_pstar.state import TensorState, Tier
@@ -53,6 +54,33 @@ class _Tied(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(self.emb(idx)))
+
+
+class _Functional(nn.Module):
+    """An output projection tied by hand: the embedding weight read with ``F.linear`` in the parent's forward after
+    the body ran (under a budget its chunk is on HOST then), and the embedding called again afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        tied = F.linear(self.body(self.emb(idx)), self.emb.weight)  # (B, T, 10)
+        return tied + self.emb(idx).sum(-1, keepdim=True)
+
+
+class _TwoWeights(nn.Module):
+    """One autograd node (``a.weight * b.weight``) saving two weights of two chunk families outside their modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(x @ (self.a.weight * self.b.weight))
 
 
 def _setup(
@@ -94,6 +122,7 @@ def _compare_grads(
     dtype: torch.dtype = torch.float32,
     chunk_size: int = LAYER_CAP,
     device_limit: int | None = None,
+    on_setup: Callable[[ChunkManager], None] | None = None,
 ) -> ChunkManager:
     model = make()
     # the reference of mixed precision (README.md, Precision): parameters are compute-dtype copies of the masters,
@@ -103,8 +132,10 @@ def _compare_grads(
         ref_out = reference(inputs)
     _loss(ref_out).backward()
 
-    manager, _ = _setup(model, dtype=dtype, chunk_size=chunk_size, device_limit=device_limit)
-    with _autocast(dtype):
+    manager, hooks = _setup(model, dtype=dtype, chunk_size=chunk_size, device_limit=device_limit)
+    if on_setup is not None:
+        on_setup(manager)
+    with hooks.saved_tensors(), _autocast(dtype):  # as the strategy runs a training forward
         out = model(inputs)
     assert torch.equal(out, ref_out)
     _loss(out).backward()
@@ -155,6 +186,95 @@ def test_tied_weights_under_eviction() -> None:
     manager = _compare_grads(lambda: _Tied(depth=2), idx, chunk_size=80, device_limit=2 * 80 * 4)
     assert len(manager.families) == 3
     assert manager.stats.evictions > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weight_used_outside_its_module_under_eviction(dtype: torch.dtype) -> None:
+    """Chunks: emb | body.0 | body.2, two of them on the device: the embedding's chunk is on HOST when the parent
+    reads its weight with F.linear, and moves again before that backward; the gradients equal the plain model's."""
+    idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    seen: list[Tier | None] = []
+
+    def probe(manager: ChunkManager) -> None:
+        model = manager.module
+        assert isinstance(model, _Functional)
+        family = manager.record_of(model.emb.weight).family
+        # runs right before F.linear(..., emb.weight), after the engine's post-forward hook of the body
+        model.body.register_forward_hook(lambda *_: seen.append(family.param_chunk.tier))
+
+    budget = 2 * 80 * dtype.itemsize
+    manager = _compare_grads(_Functional, idx, dtype=dtype, chunk_size=80, device_limit=budget, on_setup=probe)
+    assert seen == [Tier.HOST], "the weight was not read from an evicted chunk"
+    assert manager.stats.evictions > 0
+
+
+def test_weights_one_node_saved_stay_resident_while_it_runs() -> None:
+    """Unpacking the second weight of a node must not evict the chunk of the first, whose view the node is about to
+    read (that would read freed memory): with room for both the gradients are exact; without, a clear error."""
+    manager = _compare_grads(_TwoWeights, torch.randn(3, 8), chunk_size=80, device_limit=2 * 80 * 4)
+    assert manager.stats.evictions > 0
+    model = _TwoWeights()
+    manager, hooks = _setup(model, chunk_size=80, device_limit=80 * 4)  # one chunk: what one module needs
+    with hooks.saved_tensors():
+        out = model(torch.randn(3, 8))
+    assert manager.record_of(model.a.weight).family.param_chunk.tier is Tier.HOST
+    with pytest.raises(MemoryBudgetError, match="cannot make room.*HINT"):
+        _loss(out).backward()
+
+
+def test_weight_saved_outside_its_module_with_several_ranks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several ranks a chunk is gathered only while one of its modules runs: a weight autograd saves outside
+    its module is refused with an error naming it (every rank raises at the same point)."""
+    model = _Functional()
+    manager, hooks = _setup(model, chunk_size=80)
+    monkeypatch.setattr(manager, "groups", object())  # as with world_size > 1 (no module runs, nothing gathers)
+    x = torch.randn(2, 8, requires_grad=True)
+    with hooks.saved_tensors(), pytest.raises(RuntimeError, match=r"Parameter 'emb\.weight' is used outside.*HINT"):
+        F.linear(x, model.emb.weight)
+
+
+def test_weight_saved_outside_its_module_then_changed_raises() -> None:
+    """A weight saved by reference that changes before its backward (here a load between forward and backward) is
+    an error, as plain PyTorch raises for a saved parameter modified in place -- never a silently wrong gradient."""
+    model = _Functional()
+    manager, hooks = _setup(model, chunk_size=80)
+    state = manager.full_state_dict()
+    with hooks.saved_tensors():
+        out = model(torch.tensor([[1, 2, 3]]))
+    manager.load_full_state_dict(state)
+    with pytest.raises(RuntimeError, match=r"Parameter 'emb\.weight' was saved for backward and has changed.*HINT"):
+        _loss(out).backward()
+
+
+def test_saved_tensor_hooks_keep_autograd_checks_and_free_dropped_graphs() -> None:
+    """The saved-tensor hooks of a training forward must not change what plain autograd does with everything else:
+    an activation or a weight modified in place before backward still raises autograd's error, and a graph dropped
+    without backward (a training_step that returns None) is freed, not kept alive by a reference cycle."""
+    import gc
+    import weakref
+
+    model = _Functional()
+    _, hooks = _setup(model, chunk_size=80)
+    idx = torch.tensor([[1, 2, 3]])
+    with hooks.saved_tensors():
+        act = torch.tanh(model.body(model.emb(idx)))  # tanh saves its output
+        out = F.linear(act, model.emb.weight)
+    with torch.no_grad():
+        act.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    with hooks.saved_tensors():
+        out = F.linear(torch.tanh(model.body(model.emb(idx))), model.emb.weight)
+    with torch.no_grad():
+        model.emb.weight.mul_(2)  # the weight saved by reference
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    with hooks.saved_tensors():
+        dropped = torch.tanh(model.body(model.emb(idx)))
+    ref = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert ref() is None, "a graph dropped without backward stayed alive"
 
 
 def test_budget_accepted_by_the_planner_suffices_with_tied_weights() -> None:

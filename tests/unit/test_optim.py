@@ -72,6 +72,8 @@ class _Pair:
             grad = grads.get(record.names[0])
             if grad is not None:
                 self.manager.grad_ready(record, grad.to(self.dtype))
+                if record.slot_holds_grad:  # mixed precision: the slot holds the gradient, the parameter
+                    assert torch.equal(record.param.detach(), self.manager.master_view(record))  # its master
         for name, p in self.reference.named_parameters():
             p.grad = grads[name].to(self.dtype).float() if name in grads else None
 
@@ -88,6 +90,9 @@ class _Pair:
             name = record.names[0]
             # the compute copy, read on the chunk's tier (a parameter view is readable only while resident)
             compute = record.family.param_chunk.slot_view(record.slot)
+            # after the step the parameter is a view of its param slot again (mixed precision: not the master)
+            assert record.param.dtype == self.dtype, name
+            assert record.param.untyped_storage().data_ptr() == compute.untyped_storage().data_ptr(), name
             if record.family.param_chunk.tier is Tier.DEVICE:
                 assert torch.equal(record.param.detach(), compute), name
             if not record.trainable:
