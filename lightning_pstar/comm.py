@@ -59,23 +59,24 @@ class ChunkComm:
         self.gathered_bytes += sum(b.numel() * b.element_size() for i, b in enumerate(buffers) if i != rank_in_group)
         return work
 
-    def reduce_scatter_chunks(self, inputs: Sequence[torch.Tensor], output: torch.Tensor) -> None:
-        """``output`` (this rank's chunk) = the mean over ranks of ``inputs[rank]``."""
+    def start_reduce_scatter(self, inputs: Sequence[torch.Tensor], output: torch.Tensor) -> Any:
+        """Start ``output`` (this rank's chunk) = the sum over ranks of ``inputs[rank]``; returns the work handle
+        (None with one rank, where the copy is done at once). ``inputs`` must stay alive until it is done."""
         if not self.distributed:
             output.copy_(inputs[0])
-            return
-        dist.reduce_scatter(output, list(inputs), op=dist.ReduceOp.SUM, group=self.group)
-        output.div_(self.world_size)
+            return None
         self.reduced_bytes += sum(t.numel() * t.element_size() for t in inputs)
+        return dist.reduce_scatter(output, list(inputs), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def start_all_reduce_min(self, tensor: torch.Tensor) -> Any:
+        """Start an element-wise minimum over ranks in place; returns the work handle (None with one rank)."""
+        if not self.distributed:
+            return None
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
-        return tensor
-
-    def all_reduce_min_(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return tensor
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:

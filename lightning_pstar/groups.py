@@ -26,9 +26,12 @@ point every rank reaches, in an order every rank computes the same way:
   every rank for every group the sweep has not passed. A group needed again after the sweep passed it
   (the tied head in forward) is gathered out of order; that is safe as long as every rank needs it again
   (a module run a second time out of order on some ranks only is not supported);
-- gradients: at every sweep step of the backward the ranks agree (one ``all_reduce(MIN)`` of a flag per
-  group) which groups are complete on every rank, and reduce-scatter those in ascending order; the rest
-  (a group with an expert one rank did not use) are reduced at the end of the backward;
+- gradients: at every sweep step of the backward the ranks start agreeing (one asynchronous
+  ``all_reduce(MIN)`` of a flag per group) which groups are complete on every rank, and at the next step
+  start reduce-scattering those (asynchronously too: the owners average them into their chunks once the
+  collective is done, at the latest at the end of the backward); the rest (a group with an expert one rank
+  did not use) are reduced at the end of the backward. Whether each slot got a gradient on any rank travels
+  in the reduce buffer's tail;
 - the next group of the sweep is all-gathered asynchronously while the current one computes
   (``prefetch``): the decision depends only on the sweep, and whether prefetching fits the device budget
   is agreed once by all ranks after the warm-up iteration.
@@ -76,7 +79,9 @@ class GroupCoordinator:
         self.local_grads: dict[int, torch.Tensor] = {}  # family -> fp32 local gradients (capacity,)
         self.local_slots: dict[int, set[int]] = {}  # family -> records with a local gradient this backward
         self.waiting: dict[int, int] = {}  # group -> trainable slots still without a local gradient
-        self.reduced: set[int] = set()  # groups reduced in the current backward
+        self.reduced: set[int] = set()  # groups whose reduction started in the current backward
+        self.agreement: tuple[list[int], torch.Tensor, Any] | None = None  # groups, complete flags, work
+        self.reducing: list[tuple[int, Any, torch.Tensor, list[torch.Tensor]]] = []  # group, work, output, inputs
         self._poison: dict[torch.dtype, torch.Tensor] = {}
         # counters (memory report, tests)
         self.gathers = 0
@@ -138,6 +143,7 @@ class GroupCoordinator:
         order += [g for g in reversed(range(self.num_groups())) if g not in seen]
         self._start_sweep(order, backward=True)
         self.waiting = {}
+        self.agreement = None
         for group in range(self.num_groups()):
             count = sum(1 for f in self.members(group) if f.trainable for _ in f.records)
             if count:
@@ -150,9 +156,11 @@ class GroupCoordinator:
         if self.active:
             self._sweep_to(len(self.order) - 1, protect=set())
             if self.backward:
+                self._act_on_agreement()
                 for group in sorted(self.waiting):
                     if group not in self.reduced:
                         self.reduce_group(group)
+                self._store_reduced(block=True)
         self.active = False
         self.backward = False
         self.waiting.clear()
@@ -235,7 +243,10 @@ class GroupCoordinator:
     def plan_prefetch(self, fits_here: bool) -> bool:
         """After the warm-up: prefetch only if it fits the device budget on every rank (one collective)."""
         flag = torch.tensor([1 if fits_here else 0], dtype=torch.int32, device=self.manager.device)
-        self.prefetch_enabled = bool(self.comm.all_reduce_min_(flag).item())
+        work = self.comm.start_all_reduce_min(flag)
+        if work is not None:
+            work.wait()
+        self.prefetch_enabled = bool(flag.item())
         return self.prefetch_enabled
 
     def group_bytes(self) -> int:
@@ -278,6 +289,11 @@ class GroupCoordinator:
                 self._release_group(group)
 
     # ---- gradients --------------------------------------------------------------------------------------
+    def _tail(self, group: int) -> int:
+        """Elements after a family's gradients in its reduce buffer: one presence flag per record (the most
+        records of a family in the group, so that every rank's input has the same size)."""
+        return max(len(f.records) for f in self.members(group))
+
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """Keep a local gradient until its group is complete on every rank (reduced at a sweep step)."""
         if not self.backward:
@@ -292,7 +308,8 @@ class GroupCoordinator:
             )
         buf = self.local_grads.get(family.family_id)
         if buf is None:
-            buf = torch.zeros(family.capacity, dtype=torch.float32, device=self.manager.device)
+            size = family.capacity + self._tail(group)
+            buf = torch.zeros(size, dtype=torch.float32, device=self.manager.device)
             self.local_grads[family.family_id] = buf
         view = buf[record.slot.offset : record.slot.offset + record.slot.numel].view(record.slot.shape)
         slots = self.local_slots.setdefault(family.family_id, set())
@@ -305,46 +322,75 @@ class GroupCoordinator:
         record.slot.set_state(TensorState.HOLD, chunk_id=family.family_id)  # the weight is still in the slot
 
     def _reduce_complete(self) -> None:
-        """Reduce the groups complete on every rank (a sweep step: every rank is here)."""
+        """A backward sweep step (every rank is here): reduce the groups the previous step's agreement found
+        complete on every rank, then start agreeing on the groups complete now. The agreement (an
+        ``all_reduce(MIN)`` of one flag per group) and the reductions run while backward computes; acting on an
+        agreement one step later keeps the decision the same on every rank without waiting for it at once."""
+        self._store_reduced(block=False)
+        self._act_on_agreement()
         candidates = [g for g in self.waiting if g not in self.reduced]
-        if not candidates:
+        if candidates:
+            flags = torch.tensor(
+                [self.waiting[g] == 0 for g in candidates], dtype=torch.uint8, device=self.manager.device
+            )
+            self.agreement = (candidates, flags, self.comm.start_all_reduce_min(flags))
+
+    def _act_on_agreement(self) -> None:
+        if self.agreement is None:
             return
-        done = torch.tensor([self.waiting[g] == 0 for g in candidates], dtype=torch.uint8, device=self.manager.device)
-        self.comm.all_reduce_min_(done)
-        for group, complete in zip(candidates, done.tolist(), strict=True):
+        candidates, flags, work = self.agreement
+        self.agreement = None
+        if work is not None:
+            work.wait()
+        for group, complete in zip(candidates, flags.tolist(), strict=True):
             if complete:
                 self.reduce_group(group)
 
     def reduce_group(self, group: int) -> None:
-        """Reduce-scatter (average) the group's local gradients into the owners' chunks."""
-        manager = self.manager
+        """Start reduce-scattering the group's local gradients (summed) to their owners; the presence of each
+        slot's gradient on any rank travels in the same buffer (a slot without one is not stepped, as in torch)."""
         members = self.members(group)
         own = members[self.rank]
-        device = manager.device
-        # which slots received a gradient on any rank (a slot without one is not stepped, as in torch)
-        local = [self.local_slots.pop(f.family_id, set()) for f in members]
-        presence = torch.tensor(
-            [r.index in got for f, got in zip(members, local, strict=True) for r in f.records],
-            dtype=torch.uint8,
-            device=device,
-        )
-        self.comm.all_reduce_max_(presence)
+        device = self.manager.device
+        tail = self._tail(group)
         inputs: list[torch.Tensor] = []
         for family in members:
             buf = self.local_grads.pop(family.family_id, None)
-            inputs.append(buf if buf is not None else torch.zeros(family.capacity, dtype=torch.float32, device=device))
-        output = torch.empty(own.capacity, dtype=torch.float32, device=device)
+            if buf is None:
+                buf = torch.zeros(family.capacity + tail, dtype=torch.float32, device=device)
+            got = self.local_slots.pop(family.family_id, set())
+            flags = [1.0 if r.index in got else 0.0 for r in family.records]
+            flags += [0.0] * (tail - len(flags))
+            buf[family.capacity :].copy_(torch.tensor(flags, dtype=torch.float32))
+            inputs.append(buf)
+        output = torch.empty(own.capacity + tail, dtype=torch.float32, device=device)
         with torch.profiler.record_function("pstar::reduce_scatter"):
-            self.comm.reduce_scatter_chunks(inputs, output)
-        present = presence.tolist()
-        offset = sum(len(f.records) for f in members[: self.rank])
-        for i, record in enumerate(own.records):
-            if present[offset + i]:
-                manager.store_reduced_grad(record, output[record.slot.offset : record.slot.offset + record.slot.numel])
+            work = self.comm.start_reduce_scatter(inputs, output)
+        self.reducing.append((group, work, output, inputs))
         self.reduced.add(group)
+
+    def _store_reduced(self, *, block: bool) -> None:
+        """Average finished reductions into the owners' chunks, oldest first (all of them if ``block``)."""
+        manager = self.manager
+        while self.reducing:
+            group, work, output, _inputs = self.reducing[0]
+            if work is not None:
+                if not block and not work.is_completed():
+                    return
+                work.wait()
+            self.reducing.pop(0)
+            own = self.members(group)[self.rank]
+            output.div_(self.world_size)
+            present = output[own.capacity : own.capacity + len(own.records)].tolist()
+            for record, flag in zip(own.records, present, strict=True):
+                if flag > 0:
+                    slot = record.slot
+                    manager.store_reduced_grad(record, output[slot.offset : slot.offset + slot.numel])
 
     def discard(self) -> None:
         """Forget local gradients that were never reduced (zero_grad before a step)."""
+        self._store_reduced(block=True)  # never drop a buffer a collective still uses
+        self.agreement = None
         self.local_grads.clear()
         self.local_slots.clear()
         self.waiting.clear()
