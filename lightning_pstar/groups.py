@@ -124,6 +124,7 @@ class GroupCoordinator:
         self.flush()
         self.forward_gathers = []
         self._start_sweep(range(self.num_groups()), backward=False)
+        self._prefetch_next(set())  # the first group, while the step's loose ends finish
 
     def begin_backward(self) -> None:
         """Every rank starts the backward of the pass: the forward sweep catches up, and the backward sweep
@@ -142,6 +143,7 @@ class GroupCoordinator:
                 order.append(group)
         order += [g for g in reversed(range(self.num_groups())) if g not in seen]
         self._start_sweep(order, backward=True)
+        self._prefetch_next(set())  # the first group, while the loss's backward starts
         self.waiting = {}
         self.agreement = None
         for group in range(self.num_groups()):
