@@ -20,6 +20,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import PatrickStarStrategy
@@ -74,12 +75,13 @@ class TinyGPT(nn.Module):
         self.frozen.requires_grad_(False)
         self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
         self.wte.weight = self.lm_head.weight  # tied: one Parameter, two names
+        self.checkpoint_blocks = False  # recompute each block in backward (torch.utils.checkpoint)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, VOCAB) for token ids (B, T)."""
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
         x = self.ln_f(x)
         return self.lm_head(x + self.frozen(x))  # (B, T, VOCAB)
 
@@ -139,6 +141,8 @@ class RunSpec:
     """Raise in ``training_step`` on ``fail_rank`` when ``global_step == fail_step``."""
     n_embd_by_rank: dict[int, int] = field(default_factory=dict)
     """Per-rank width (the model is then built in ``configure_model``, where the rank is known)."""
+    checkpoint_blocks: bool = False
+    """Activation checkpointing (non-reentrant) of every block: backward recomputes their forwards."""
 
     @property
     def n_seq(self) -> int:
@@ -170,6 +174,7 @@ class RecordingModule(L.LightningModule):
         self.model: TinyGPT | None = None
         if not spec.n_embd_by_rank:
             self.model = build_model()
+            self.model.checkpoint_blocks = spec.checkpoint_blocks
 
     def configure_model(self) -> None:
         if self.model is None:
