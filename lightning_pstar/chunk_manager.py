@@ -254,7 +254,8 @@ class ChunkManager(StateDictsMixin):
         param_b = self.compute_dtype.itemsize
         # mixed: fp32 master (+ fp32 gradient sum when accumulating); 32-true: fp32 grad chunk
         trainable = param_b + 4 + optimizer_bytes_per_elem + (4 if self.mixed and self.accumulates else 0)
-        total = self.layout.family_bytes(trainable_bytes_per_elem=trainable, frozen_bytes_per_elem=param_b)
+        frozen = param_b + (4 if self.mixed and self.config.frozen_master else 0)
+        total = self.layout.family_bytes(trainable_bytes_per_elem=trainable, frozen_bytes_per_elem=frozen)
         return total // self.world_size  # each rank keeps the families it owns (whole groups are padded)
 
     def min_device_bytes(self) -> tuple[int, str]:
@@ -418,6 +419,11 @@ class ChunkManager(StateDictsMixin):
         if family.trainable and self.mixed:
             master = self._new_chunk(family, ChunkKind.MASTER, torch.float32)
             master.allocate(self._optimizer_side_tier(master.nbytes))
+        elif self.mixed and self.config.frozen_master:
+            # the exact fp32 weights of frozen parameters, read only by state dicts: they live on the host
+            master = self._new_chunk(family, ChunkKind.MASTER, torch.float32)
+            self._check_host_room(master.nbytes)
+            master.allocate(Tier.HOST)
 
     def _new_chunk(self, family: ChunkFamily, kind: ChunkKind, dtype: torch.dtype) -> Chunk:
         chunk = Chunk(
@@ -735,6 +741,8 @@ class ChunkManager(StateDictsMixin):
         margin = self.device_budget - self.tracer.trace.peak_non_model - params
         moved = 0
         for family in self.families:
+            if not family.trainable:
+                continue  # a frozen family's fp32 copy is only read by state dicts
             side = [c for k, c in family.chunks.items() if k is not ChunkKind.PARAM and c.tier is Tier.HOST]
             nbytes = sum(c.nbytes for c in side)
             if not side or nbytes > margin:

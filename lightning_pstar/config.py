@@ -139,6 +139,11 @@ class PStarConfig:
     """Keep ``nn.Embedding`` weights fp32 on the host, outside the chunks: the lookup runs on the host and
     only its output moves to the device. Frees the largest tensor from setting the chunk size. Embeddings
     tied to another module (an output head) stay in the chunks."""
+    frozen_master: bool = True
+    """Mixed precision: keep an fp32 copy of every frozen parameter (``requires_grad=False``) in host memory
+    next to its compute-dtype chunk, so checkpoints and state dicts return the frozen weights exactly as
+    given (4 host bytes per frozen element). False stores them only in the compute dtype (2 bytes per
+    element, as DeepSpeed does): saved frozen weights are then rounded to bf16/fp16."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for ``16-mixed``."""
 
@@ -162,6 +167,9 @@ class PStarConfig:
                 f"`chunk_size` must be a positive number of elements or 'auto', got {self.chunk_size!r}."
                 " HINT: use chunk_size='auto' to let the strategy pick it."
             )
+        for name in ("cpu_embedding", "frozen_master"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be true or false, got {getattr(self, name)!r}.")
         if self.checkpoint not in ("consolidated", "sharded"):
             raise ValueError(f"`checkpoint` must be 'consolidated' or 'sharded', got {self.checkpoint!r}.")
         accepted = [p.value for p in Placement]

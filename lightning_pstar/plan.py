@@ -103,6 +103,8 @@ class BytesPerElement:
     """fp32 grad chunk: 32-true always, mixed precision only when accumulating gradients."""
     optimizer: int
     """Optimizer-state chunks (Adam: exp_avg + exp_avg_sq; SGD with momentum: one buffer)."""
+    frozen_master: int = 0
+    """fp32 copy of a frozen family's weights on the host (mixed precision, ``frozen_master=True``)."""
 
     @property
     def trainable(self) -> int:
@@ -110,10 +112,12 @@ class BytesPerElement:
 
     @property
     def frozen(self) -> int:
-        return self.param
+        return self.param + self.frozen_master
 
 
-def bytes_per_element(precision: str, optimizer: str, *, accumulates: bool = False) -> BytesPerElement:
+def bytes_per_element(
+    precision: str, optimizer: str, *, accumulates: bool = False, frozen_master: bool = True
+) -> BytesPerElement:
     """What ``ChunkManager.materialise`` plus ``add_optimizer_chunks`` allocate per chunk element."""
     if precision not in _COMPUTE_ITEMSIZE:
         raise ValueError(
@@ -131,6 +135,7 @@ def bytes_per_element(precision: str, optimizer: str, *, accumulates: bool = Fal
         master=4 if mixed else 0,
         grad=4 if (not mixed or accumulates) else 0,
         optimizer=_OPTIMIZER_STATE_BYTES[optimizer],
+        frozen_master=4 if mixed and frozen_master else 0,
     )
 
 
@@ -174,6 +179,7 @@ class CapacityPlan:
     master_bytes: int
     grad_bytes: int
     optimizer_state_bytes: int
+    frozen_master_bytes: int  # fp32 copies of frozen weights (host only), all ranks
     model_data_bytes: int  # every chunk the engine allocates, all ranks
     model_data_bytes_per_rank: int  # the rank owning the most chunk bytes
     host_embedding_params: int  # cpu_embedding: embedding elements kept fp32 on HOST outside the chunks
@@ -229,6 +235,8 @@ class CapacityPlan:
             kinds.append(("fp32 grads" if bpe.master == 0 else "fp32 grad sums", self.grad_bytes))
         if bpe.optimizer:
             kinds.append((f"{self.optimizer} states", self.optimizer_state_bytes))
+        if self.frozen_master_bytes:
+            kinds.append(("fp32 frozen weights (host)", self.frozen_master_bytes))
         frozen = self.num_params - self.num_trainable_params
         rows = [
             ("model", self.target),
@@ -498,6 +506,7 @@ def _settings(
     optimizer: str,
     accumulate_grad_batches: int,
     cpu_embedding: bool,
+    frozen_master: bool = True,
 ) -> _Settings:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive int, got {world_size!r}. HINT: the number of ranks.")
@@ -510,7 +519,9 @@ def _settings(
     return _Settings(
         precision=precision,
         optimizer=optimizer,
-        bytes_per_element=bytes_per_element(precision, optimizer, accumulates=mixed and accumulate_grad_batches > 1),
+        bytes_per_element=bytes_per_element(
+            precision, optimizer, accumulates=mixed and accumulate_grad_batches > 1, frozen_master=frozen_master
+        ),
         device_budget=device_budget,
         host_budget=host_budget,
         world_size=world_size,
@@ -557,7 +568,13 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
     total = layout.family_bytes(trainable_bytes_per_elem=bpe.trainable, frozen_bytes_per_elem=bpe.frozen)
     per_rank = _per_rank_bytes(layout, bpe, ws)
     embeddings = _host_embedding_bytes(host, bpe)
-    host_need = embeddings + max(0, per_rank - device)
+    frozen_cap = layout.capacity_elements - trainable_cap
+    # the fp32 copies of frozen weights never go to the device: the owner with the most of them keeps them on the host
+    frozen_master_per_rank = (
+        max(sum(c.capacity for c in layout.chunks if not c.trainable and c.chunk_id % ws == r) for r in range(ws))
+        * bpe.frozen_master
+    )
+    host_need = embeddings + frozen_master_per_rank + max(0, per_rank - frozen_master_per_rank - device)
     index = {id(p): i for i, (p, _) in enumerate(named)}
     need, where = min_device_bytes(module, layout, index, itemsize=bpe.param, world_size=ws)
     num_params = layout.payload_elements + sum(p.numel() for p, _ in host)
@@ -578,6 +595,7 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         master_bytes=trainable_cap * bpe.master,
         grad_bytes=trainable_cap * bpe.grad,
         optimizer_state_bytes=trainable_cap * bpe.optimizer,
+        frozen_master_bytes=frozen_cap * bpe.frozen_master,
         model_data_bytes=total,
         model_data_bytes_per_rank=per_rank,
         host_embedding_params=sum(p.numel() for p, _ in host),
@@ -587,7 +605,7 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         host_budget=settings.host_budget,
         min_device_bytes=need,
         min_device_module=where,
-        device_model_data_bytes=min(per_rank, device),
+        device_model_data_bytes=min(per_rank - frozen_master_per_rank, device),
         host_model_data_bytes=host_need,
         fits_model_data=host_need <= settings.host_budget,
         fits_min_device=need <= device,
@@ -694,6 +712,7 @@ def plan_capacity(
     optimizer: str = "adam",
     accumulate_grad_batches: int = 1,
     cpu_embedding: bool = False,
+    frozen_master: bool = True,
     overrides: Mapping[str, Any] | None = None,
     search_largest: bool = True,
     scale: Scale | str = Scale.BOTH,
@@ -722,6 +741,7 @@ def plan_capacity(
         optimizer=optimizer,
         accumulate_grad_batches=accumulate_grad_batches,
         cpu_embedding=cpu_embedding,
+        frozen_master=frozen_master,
     )
     module, description, gpt_config = build_meta_model(target, overrides=overrides)
     plan = _plan_module(module, description, settings)
@@ -785,6 +805,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--accumulate-grad-batches", type=int, default=1, help="> 1 adds fp32 gradient sums")
     parser.add_argument("--cpu-embedding", action="store_true", help="embeddings fp32 on HOST, outside chunks")
     parser.add_argument(
+        "--no-frozen-master", action="store_true", help="frozen parameters only in the compute dtype (no fp32 copy)"
+    )
+    parser.add_argument(
         "--set", dest="overrides", type=_assignment, action="append", default=[], metavar="KEY=VALUE",
         help="override a GPT size (n_layer, n_embd, n_head, vocab_size, block_size) or pass a factory argument",
     )  # fmt: skip
@@ -808,6 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer=args.optimizer,
             accumulate_grad_batches=args.accumulate_grad_batches,
             cpu_embedding=args.cpu_embedding,
+            frozen_master=not args.no_frozen_master,
             overrides=dict(args.overrides),
             search_largest=not args.no_largest,
             scale=args.scale,

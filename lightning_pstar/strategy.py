@@ -71,6 +71,7 @@ class PatrickStarStrategy(DDPStrategy):
         warmup_chunk_fraction: float = _D.warmup_chunk_fraction,
         cpu_embedding: bool = _D.cpu_embedding,
         checkpoint: str = _D.checkpoint,
+        frozen_master: bool = _D.frozen_master,
         loss_scale: LossScaleConfig | Mapping[str, Any] | None = None,
         config: PStarConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -94,6 +95,7 @@ class PatrickStarStrategy(DDPStrategy):
                 warmup_chunk_fraction=warmup_chunk_fraction,
                 cpu_embedding=cpu_embedding,
                 checkpoint=checkpoint,
+                frozen_master=frozen_master,
                 loss_scale=LossScaleConfig(**loss_scale)
                 if isinstance(loss_scale, Mapping)
                 else (loss_scale or LossScaleConfig()),

@@ -596,12 +596,15 @@ class FamilyProbe(Callback):
         ]
 
 
-def test_lora_adapters_bf16_memory() -> None:
-    """bf16-mixed: trainable elements cost 14 bytes (bf16 param/grad + fp32 master + 2 Adam moments), frozen ones 2
-    bytes; frozen chunks carry no optimizer state; the loss falls and stays close to plain Lightning's."""
+@pytest.mark.parametrize("frozen_master", [True, False])
+def test_lora_adapters_bf16_memory(frozen_master: bool) -> None:
+    """bf16-mixed: trainable elements cost 14 bytes (bf16 param/grad + fp32 master + 2 Adam moments), frozen ones 6
+    (the bf16 chunk the forward reads + the exact fp32 weights on the host, ``frozen_master``) or 2 without that
+    copy; frozen chunks carry no optimizer state; the loss falls and stays close to plain Lightning's; the
+    trained model's frozen weights are the ones it started from, bit for bit, with the copy."""
     data = DataLoader(lm_data(4 * STEPS), batch_size=4, shuffle=False)
     ref = fit(LM(LoRANet), "auto", precision="bf16-mixed", loader=data)
-    strategy = PatrickStarStrategy(chunk_size=1024)
+    strategy = PatrickStarStrategy(chunk_size=1024, frozen_master=frozen_master)
     probes = [GradTrafficProbe(), FamilyProbe()]
     got = fit(LM(LoRANet), strategy, precision="bf16-mixed", loader=data, callbacks=probes)
     assert probes[0].checked == STEPS
@@ -615,7 +618,8 @@ def test_lora_adapters_bf16_memory() -> None:
     assert trainable < frozen / 5
     report = strategy.memory_report()
     assert report.num_params == trainable + frozen
-    payload = 14 * trainable + 2 * frozen
+    frozen_bytes = 6 if frozen_master else 2
+    payload = 14 * trainable + frozen_bytes * frozen
     assert report.model_data_bytes_per_param * report.num_params == pytest.approx(payload, abs=1e-6)
     # the rest is chunk padding: at most (capacity - payload) elements, at 14 bytes each
     padding = report.num_chunks * report.chunk_size - report.num_params
@@ -623,10 +627,20 @@ def test_lora_adapters_bf16_memory() -> None:
     # exactly: 14 bytes per element of capacity in trainable families, 2 in frozen ones, which hold nothing else
     families = probes[1].families
     assert len(families) == report.num_chunks
-    assert report.model_data_bytes == sum(cap * (14 if trainable else 2) for cap, trainable, _ in families)
+    assert report.model_data_bytes == sum(cap * (14 if trainable else frozen_bytes) for cap, trainable, _ in families)
+    frozen_kinds = {ChunkKind.PARAM, ChunkKind.MASTER} if frozen_master else {ChunkKind.PARAM}
     for cap, trainable_family, kinds in families:
         expected = {ChunkKind.PARAM, ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ}
-        assert kinds == (expected if trainable_family else {ChunkKind.PARAM}), (cap, trainable_family, kinds)
+        assert kinds == (expected if trainable_family else frozen_kinds), (cap, trainable_family, kinds)
+    # what a checkpoint saves: the frozen backbone exactly as built (or its bf16 rounding, without the copy)
+    saved = strategy.lightning_module_state_dict()
+    initial = LM(LoRANet).state_dict()  # the same seed builds the same weights
+    frozen_names = [n for n, p in LM(LoRANet).named_parameters() if not p.requires_grad]
+    assert frozen_names
+    for name in frozen_names:
+        want = initial[name] if frozen_master else initial[name].bfloat16().float()
+        assert torch.equal(saved[name], want), name
+    assert any(not torch.equal(initial[n], initial[n].bfloat16().float()) for n in frozen_names)
 
 
 # --------------------------------------------------------------------------------------------------

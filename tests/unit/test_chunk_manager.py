@@ -51,6 +51,7 @@ def _manager(
     chunk_size: int | str = CAP,
     device_limit: int | None = None,
     host_limit: int | None = None,
+    frozen_master: bool = True,
 ) -> ChunkManager:
     # the static policy: its LRU order and optimizer-tier rule are what these tests pin
     config = PStarConfig(
@@ -58,6 +59,7 @@ def _manager(
         placement="static",
         device_memory_limit=device_limit,
         host_memory_limit=host_limit,
+        frozen_master=frozen_master,
     )
     return ChunkManager(module, config=config, compute_dtype=dtype, device=CPU, precision=str(dtype))
 
@@ -212,7 +214,9 @@ def test_frozen_parameters_get_frozen_families_without_optimizer_chunks() -> Non
     frozen = [f for f in manager.families if not f.trainable]
     assert len(frozen) == 1
     assert {r.names[0] for r in frozen[0].records} == {"1.weight", "1.bias"}
-    assert set(frozen[0].chunks) == {ChunkKind.PARAM}
+    # no optimizer state; an fp32 copy of the frozen weights on the host (frozen_master, the default)
+    assert set(frozen[0].chunks) == {ChunkKind.PARAM, ChunkKind.MASTER}
+    assert frozen[0].chunks[ChunkKind.MASTER].tier is Tier.HOST
     for family in manager.families:
         if family.trainable:
             assert set(family.chunks) == {ChunkKind.PARAM, ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ}
@@ -718,15 +722,16 @@ def test_memory_report_bytes_per_param(dtype: torch.dtype, kinds: list[ChunkKind
     assert "PatrickStar memory report" in str(report)
 
 
-def test_memory_report_frozen_params_add_only_their_param_slot() -> None:
+@pytest.mark.parametrize(("frozen_master", "frozen_bytes"), [(True, 2 + 4), (False, 2)])
+def test_memory_report_frozen_params_add_their_param_slot_and_fp32_copy(frozen_master: bool, frozen_bytes: int) -> None:
     model = _mlp()
     for p in model[3].parameters():
         p.requires_grad_(False)
-    manager = _manager(model, dtype=torch.bfloat16)
+    manager = _manager(model, dtype=torch.bfloat16, frozen_master=frozen_master)
     manager.materialise()
     manager.add_optimizer_chunks([ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ])
     report = manager.memory_report()
-    assert report.model_data_bytes_per_param == pytest.approx((3 * 72 * 14 + 72 * 2) / (4 * 72))
+    assert report.model_data_bytes_per_param == pytest.approx((3 * 72 * 14 + 72 * frozen_bytes) / (4 * 72))
 
 
 def test_memory_report_counts_transfers_and_budgets() -> None:
@@ -743,3 +748,28 @@ def test_memory_report_counts_transfers_and_budgets() -> None:
     assert report.device_memory_limit == 2 * LAYER_BYTES_FP32
     assert report.host_memory_limit == 10**6
     assert report.optimizer_tier == "host"
+
+
+@pytest.mark.parametrize("frozen_master", [True, False])
+def test_frozen_weights_round_trip_exactly_with_frozen_master(frozen_master: bool) -> None:
+    """Mixed precision computes with bf16 copies of frozen weights; with ``frozen_master`` (the default) the state
+    dict still returns the fp32 weights exactly as given, at 4 more host bytes per frozen element. Without it the
+    frozen weights are stored only in bf16, and the state dict says so by returning the rounded values."""
+    model = _mlp()
+    for p in model[1].parameters():
+        p.requires_grad_(False)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not torch.equal(original["1.weight"], original["1.weight"].bfloat16().float())  # bf16 would round it
+    manager = _manager(model, dtype=torch.bfloat16, frozen_master=frozen_master)
+    manager.materialise()
+    assert model[1].weight.dtype == torch.bfloat16  # what forward computes with
+    state = manager.full_state_dict()
+    for name in ("1.weight", "1.bias"):
+        assert state[name].dtype == torch.float32
+        want = original[name] if frozen_master else original[name].bfloat16().float()
+        assert torch.equal(state[name], want), name
+    frozen_cap = sum(f.capacity for f in manager.families if not f.trainable)
+    host_master = sum(
+        c.nbytes for f in manager.families if not f.trainable for k, c in f.chunks.items() if k is ChunkKind.MASTER
+    )
+    assert host_master == (4 * frozen_cap if frozen_master else 0)

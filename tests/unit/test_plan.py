@@ -125,6 +125,7 @@ def test_model_data_bytes_match_the_engine(
         assert plan.num_params == sum(r.slot.numel for r in manager.records)
         assert (plan.min_device_bytes, plan.min_device_module) == manager.min_device_bytes()
         kinds = plan.param_chunk_bytes + plan.master_bytes + plan.grad_bytes + plan.optimizer_state_bytes
+        kinds += plan.frozen_master_bytes
         assert kinds == plan.model_data_bytes
         assert plan.fits
 
@@ -171,7 +172,9 @@ def test_bytes_per_element_of_the_design() -> None:
     assert bytes_per_element("32-true", "adam").trainable == 16  # 4 + 4 (grad chunk) + 8
     assert bytes_per_element("16-mixed", "sgd-momentum").trainable == 10
     assert bytes_per_element("bf16-mixed", "sgd", accumulates=True).trainable == 10
-    assert bytes_per_element("bf16-mixed", "adam").frozen == 2
+    assert bytes_per_element("bf16-mixed", "adam").frozen == 6  # bf16 chunk + fp32 copy on the host
+    assert bytes_per_element("bf16-mixed", "adam", frozen_master=False).frozen == 2
+    assert bytes_per_element("32-true", "adam").frozen == 4
     with pytest.raises(ValueError, match="`precision` must be one of .*'bf16-true'.*HINT"):
         bytes_per_element("bf16-true", "adam")
     with pytest.raises(ValueError, match="`optimizer` must be one of .*'lion'.*HINT"):
