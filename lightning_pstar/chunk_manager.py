@@ -796,20 +796,20 @@ class ChunkManager(StateDictsMixin):
     # ---- gradients ------------------------------------------------------------------------------------
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """Store the final gradient of ``record`` for this backward into the chunks."""
+        if torch.is_grad_enabled():  # autograd runs gradient hooks without grad mode unless create_graph
+            with torch.no_grad():
+                self.grad_ready(record, grad)
+            return
         family = record.family
         if self.groups is not None:
-            with torch.no_grad():
-                self.groups.grad_ready(record, grad)
+            self.groups.grad_ready(record, grad)
             return
-        with torch.no_grad():
-            if self.mixed and not self.accumulating:
-                target_chunk = family.param_chunk
-                self._copy_in(target_chunk, record.slot, grad, add=False)
-                self.set_slot_holds_grad(record, True)
-            else:
-                target_chunk = self._grad_chunk(family)
-                self._copy_in(target_chunk, record.slot, grad, add=record.grad_chunk_has_data)
-                record.grad_chunk_has_data = True
+        if self.mixed and not self.accumulating:
+            self._copy_in(family.param_chunk, record.slot, grad, add=False)
+            self.set_slot_holds_grad(record, True)
+        else:
+            self._copy_in(self._grad_chunk(family), record.slot, grad, add=record.grad_chunk_has_data)
+            record.grad_chunk_has_data = True
         final = TensorState.HOLD if self.accumulating else TensorState.HOLD_AFTER_BWD
         record.slot.set_state(final, chunk_id=family.family_id)
 

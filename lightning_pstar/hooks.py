@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from lightning_pstar.chunk import ChunkKind
 from lightning_pstar.chunk_manager import ChunkManager, ParamRecord
@@ -47,26 +46,37 @@ from lightning_pstar.state import TensorState
 
 __all__ = ["ModelHooks"]
 
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _traced(name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` inside a ``pstar::`` profiler range while a profiler records (a range costs two dispatcher
+    calls even without one, and these run for every module and parameter of every step)."""
+    if _profiling():
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
+
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors that require grad anywhere inside a (nested) output or input structure."""
-    found: list[torch.Tensor] = []
+    """Tensors that require grad anywhere inside a (nested) output or input structure, in order.
 
-    def visit(x: Any) -> None:
+    Iterative on purpose: a recursive closure that refers to itself is a reference cycle, and it would keep
+    the module's inputs and outputs (activations) alive until Python's garbage collector happens to run.
+    """
+    found: list[torch.Tensor] = []
+    stack: list[Any] = [obj]
+    while stack:
+        x = stack.pop()
         if isinstance(x, torch.Tensor):
             if x.requires_grad:
                 found.append(x)
         elif isinstance(x, (list, tuple)):
-            for item in x:
-                visit(item)
+            stack.extend(reversed(x))
         elif isinstance(x, dict):
-            for item in x.values():
-                visit(item)
+            stack.extend(reversed(list(x.values())))
         elif hasattr(x, "__dataclass_fields__"):
-            for name in x.__dataclass_fields__:
-                visit(getattr(x, name))
-
-    visit(obj)
+            stack.extend(getattr(x, name) for name in reversed(list(x.__dataclass_fields__)))
     return found
 
 
@@ -262,9 +272,10 @@ class ModelHooks:
         moment = (MomentKind.FORWARD, index)
 
         def pre_forward(module: nn.Module, args: Any) -> None:
-            with torch.profiler.record_function("pstar::pre_forward"):
-                manager.access(records, TensorState.COMPUTE, moment if torch.is_grad_enabled() else None)
-            if torch.is_grad_enabled():
+            grad_enabled = torch.is_grad_enabled()
+            at = moment if grad_enabled else None
+            _traced("pstar::pre_forward", manager.access, records, TensorState.COMPUTE, at)
+            if grad_enabled:
                 inputs = _grad_tensors(args)
                 if inputs:
                     # fires once the module's backward has produced the gradient of its inputs: its
@@ -283,8 +294,7 @@ class ModelHooks:
                 manager.release(records, TensorState.HOLD_AFTER_FWD)
 
                 def pre_backward() -> None:
-                    with torch.profiler.record_function("pstar::pre_backward"):
-                        manager.access(records, TensorState.COMPUTE, moment)
+                    _traced("pstar::pre_backward", manager.access, records, TensorState.COMPUTE, moment)
 
                 self._register(outputs, pre_backward)
             else:
@@ -299,20 +309,25 @@ class ModelHooks:
             grad = param.grad
             if grad is None:  # pragma: no cover - autograd calls the hook only after accumulating a gradient
                 return
-            with torch.profiler.record_function("pstar::grad_ready"):
-                manager.grad_ready(record, grad)
+            _traced("pstar::grad_ready", manager.grad_ready, record, grad)
             param.grad = None  # the chunk holds it now; free autograd's copy
 
         return grad_hook
 
     @staticmethod
-    def _register(tensors: list[torch.Tensor], fn: Any) -> RemovableHandle:
+    def _register(tensors: list[torch.Tensor], fn: Any) -> None:
+        """Call ``fn`` once, when the first gradient of any of ``tensors`` has been computed.
+
+        What ``register_multi_grad_hook(tensors, fn, mode="any")`` does (a ``Tensor.register_hook`` on each
+        tensor, the first call wins), without its per-call lock, wrapper and handle objects.
+        """
         fired = False
 
-        def once(_grads: Any) -> None:
+        def once(_grad: Any) -> None:
             nonlocal fired
             if not fired:
                 fired = True
                 fn()
 
-        return torch.autograd.graph.register_multi_grad_hook(tensors, once, mode="any")
+        for tensor in tensors:
+            tensor.register_hook(once)

@@ -78,6 +78,22 @@ def _fused_adam(
     )
 
 
+@dataclass(frozen=True)
+class _WholeFamilyPlan:
+    """A family whose slots lie in record order: ``buffer[start:end]`` split by ``sizes`` gives every slot
+    (even parts) and the gaps between them (odd parts: padding). ``groups``: each param group holding some
+    of the family's records, with their positions in ``family.records`` (ascending group index)."""
+
+    start: int
+    end: int
+    sizes: list[int]
+    groups: list[tuple[int, list[int]]]
+
+    def slots(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """1-D views of every slot of ``buffer`` (a chunk's 1-D buffer), in record order."""
+        return list(buffer[self.start : self.end].split_with_sizes(self.sizes)[::2])
+
+
 class ChunkedOptimizer(Optimizer):
     """Steps ``optimizer``'s hyper-parameters on the chunks of ``manager``."""
 
@@ -110,6 +126,8 @@ class ChunkedOptimizer(Optimizer):
         self._momentum_started: set[int] = set()  # SGD: records whose momentum buffer holds a value
         self._host_group: dict[int, int] = {}  # id of a host-resident parameter (cpu_embedding) -> group
         self._host_state: dict[int, dict[str, torch.Tensor]] = {}  # its optimizer state, torch's names
+        # family id -> how to step it as a whole (see _whole_family_plan), None where it cannot be
+        self._whole_plans: dict[int, _WholeFamilyPlan | None] = {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if manager.is_host_param(p):
@@ -322,6 +340,8 @@ class ChunkedOptimizer(Optimizer):
             manager.move_param_chunk(family, Tier.HOST)  # the update runs where the optimizer states live
         else:
             manager.fetch(family, protect={family.family_id})
+        if self._is_adam and self._step_whole_family(family, coef):
+            return
         grads = self._family_grads(family)
         if not grads:
             return
@@ -353,6 +373,85 @@ class ChunkedOptimizer(Optimizer):
                 if record.index in grads:
                     family.param_chunk.slot_view(record.slot).copy_(master.slot_view(record.slot))
                     manager.set_slot_holds_grad(record, False)  # the parameter points at the new weight again
+
+    def _whole_family_plan(self, family: ChunkFamily) -> _WholeFamilyPlan | None:
+        """The family's :class:`_WholeFamilyPlan`, or None when a record is outside the optimizer's param
+        groups or the slots are not laid out in record order (computed once: layout and groups are fixed)."""
+        if family.family_id in self._whole_plans:
+            return self._whole_plans[family.family_id]
+        plan: _WholeFamilyPlan | None = None
+        if family.records and all(r.index in self._group_of for r in family.records):
+            sizes: list[int] = []
+            start = end = family.records[0].slot.offset
+            for record in family.records:
+                slot = record.slot
+                if slot.offset < end:
+                    break  # not in record order (or overlapping): step record by record
+                if sizes:
+                    sizes.append(slot.offset - end)  # the gap before this slot
+                sizes.append(slot.numel)
+                end = slot.offset + slot.numel
+            else:
+                by_group: dict[int, list[int]] = defaultdict(list)
+                for i, record in enumerate(family.records):
+                    by_group[self._group_of[record.index]].append(i)
+                plan = _WholeFamilyPlan(start=start, end=end, sizes=sizes, groups=sorted(by_group.items()))
+        self._whole_plans[family.family_id] = plan
+        return plan
+
+    def _step_whole_family(self, family: ChunkFamily, coef: float) -> bool:
+        """Adam on a family where every record has exactly this micro-batch's gradient (mixed precision: in
+        the param slot; 32-true: in the GRAD chunk): the same arithmetic as the record-by-record path, with
+        one conversion of the gradient range and the slot views of each chunk made in one call. Padding is
+        only read (into a temporary), never written. False when it does not apply."""
+        plan = self._whole_family_plan(family)
+        if plan is None:
+            return False
+        manager = self._manager
+        mixed = manager.mixed
+        records = family.records
+        for record in records:
+            has = record.slot_holds_grad and not record.grad_chunk_has_data if mixed else record.grad_chunk_has_data
+            if not has:
+                return False
+        policy = self.gradient_policy
+        inv_scale = policy.inv_scale
+        param_chunk = family.param_chunk
+        if mixed:
+            grad_range = param_chunk.data[plan.start : plan.end].float()
+            if inv_scale != 1.0:
+                grad_range.mul_(inv_scale)
+        else:
+            grad_range = family.chunks[ChunkKind.GRAD].data[plan.start : plan.end]
+            if inv_scale != 1.0:
+                grad_range = grad_range.mul(inv_scale)
+        grads = list(grad_range.split_with_sizes(plan.sizes)[::2])
+        if coef != 1.0:
+            torch._foreach_mul_(grads, coef)
+        if policy.clip_value is not None:
+            for g in grads:
+                g.clamp_(-policy.clip_value, policy.clip_value)
+        master = family.chunks.get(ChunkKind.MASTER, param_chunk)
+        params = plan.slots(master.data)
+        device = params[0].device
+        if grad_range.device != device:
+            grads = list(grad_range.to(device).split_with_sizes(plan.sizes)[::2])
+        exp_avgs = plan.slots(family.chunks[ChunkKind.EXP_AVG].data)
+        exp_avg_sqs = plan.slots(family.chunks[ChunkKind.EXP_AVG_SQ].data)
+        for gi, positions in plan.groups:
+            _fused_adam(
+                self.param_groups[gi],
+                [params[i] for i in positions],
+                [grads[i] for i in positions],
+                [exp_avgs[i] for i in positions],
+                [exp_avg_sqs[i] for i in positions],
+                [self._step_tensor(records[i], device) for i in positions],
+            )
+        if mixed:
+            torch._foreach_copy_(plan.slots(param_chunk.data), params)
+            for record in records:
+                manager.set_slot_holds_grad(record, False)  # the parameter points at the new weight again
+        return True
 
     def _step_tensor(self, record: ParamRecord, device: torch.device) -> torch.Tensor:
         step = self._steps.get(record.index)
