@@ -76,13 +76,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from typing_extensions import override
 
 from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.demos import GPT, GPTConfig, GPTLightningModule, StdlibCharDataModule, gpt_num_params
+from lightning_pstar.demos.timing import StepTimer
 from lightning_pstar.plan import plan_capacity
 
 RUN_KEYS = (
@@ -162,28 +162,19 @@ class RunSpec:
 
 
 # ---- worker: one rank of one run ------------------------------------------------------------------------
-class StepTimer(Callback):
-    """Wall time of every training batch; PatrickStar's transfer counters after the warm-up and at the end."""
+class TransferTimer(StepTimer):
+    """:class:`StepTimer` plus PatrickStar's transfer counters after the last warm-up batch and the last batch."""
 
     def __init__(self, warmup: int) -> None:
+        super().__init__()
         self.warmup = warmup
-        self.times: list[float] = []
-        self.transfers: list[tuple[int, int]] = []  # (h2d, d2h) after the last warm-up batch, after the last
-        self._start = 0.0
-
-    @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        self._start = time.perf_counter()
+        self.transfers: list[tuple[int, int]] = []
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self._start)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, i)
         if isinstance(trainer.strategy, PatrickStarStrategy) and len(self.times) in (self.warmup, trainer.max_steps):
             report = trainer.strategy.memory_report()
             self.transfers.append((report.h2d_bytes, report.d2h_bytes))
@@ -281,7 +272,7 @@ def run_worker(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         val_fraction=0.05,
     )
     module, strategy = build_run(spec, args)
-    timer = StepTimer(args.warmup)
+    timer = TransferTimer(args.warmup)
     trainer = L.Trainer(
         accelerator="auto",
         devices=spec.world_size,

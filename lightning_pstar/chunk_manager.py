@@ -756,17 +756,6 @@ class ChunkManager(StateDictsMixin):
             moved += 1
         log.info("PatrickStar: %d of %d optimizer-state families run on the device", moved, len(self.families))
 
-    def next_moment_families(self) -> frozenset[int] | None:
-        """Families the next moment of the warm-up trace accesses; None when there is no plan to follow.
-
-        Every rank follows the same trace, so decisions taken from it are the same on every rank.
-        """
-        tracer = self.tracer
-        if not (self.in_training and tracer.warmed_up and tracer.matches and tracer.trace.moments):
-            return None
-        moments = tracer.trace.moments
-        return frozenset(moments[(tracer.cursor + 1) % len(moments)].families)
-
     def optimizer_tier_of(self, family: ChunkFamily) -> Tier:
         """Where ``family``'s optimizer step runs: the tier of its optimizer-side chunks."""
         for kind, chunk in family.chunks.items():
@@ -781,7 +770,7 @@ class ChunkManager(StateDictsMixin):
             if record.slot.state is TensorState.COMPUTE:
                 record.slot.set_state(new_state, chunk_id=record.family.family_id)
         if self.groups is not None:
-            self.groups.release_idle([r.family for r in records])
+            self.groups.release_passed()
 
     def post_backward(self, records: Sequence[ParamRecord]) -> None:
         """A module's backward is done: frozen slots go to ``HOLD``, trainable ones still waiting for their
@@ -791,7 +780,7 @@ class ChunkManager(StateDictsMixin):
                 new = TensorState.HOLD_AFTER_FWD if record.trainable else TensorState.HOLD
                 record.slot.set_state(new, chunk_id=record.family.family_id)
         if self.groups is not None:
-            self.groups.release_idle([r.family for r in records])
+            self.groups.release_passed()
 
     # ---- gradients ------------------------------------------------------------------------------------
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:

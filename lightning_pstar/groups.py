@@ -134,7 +134,7 @@ class GroupCoordinator:
         if not self.active:
             self.begin_pass()
         self._sweep_to(len(self.order) - 1, protect=set())
-        self._release_passed()
+        self.release_passed()
         seen: set[int] = set()
         order: list[int] = []
         for group in reversed(self.forward_gathers):
@@ -185,7 +185,7 @@ class GroupCoordinator:
                 self._gather(group, guard)  # used again after the sweep passed it (a tied head)
                 if self.backward:
                     self._reduce_complete()
-        self._release_passed(keep=set(groups))  # the slots of this access are not marked COMPUTE yet
+        self.release_passed(keep=set(groups))  # the slots of this access are not marked COMPUTE yet
         self._prefetch_next(guard)
 
     def _sweep_to(self, index: int, protect: set[int]) -> None:
@@ -256,11 +256,7 @@ class GroupCoordinator:
         return max((sum(f.param_chunk.nbytes for f in self.members(g)) for g in range(self.num_groups())), default=0)
 
     # ---- release ----------------------------------------------------------------------------------------
-    def release_idle(self, families: list[ChunkFamily]) -> None:
-        """A module is done with its slots: release what the sweep has passed and nothing uses."""
-        self._release_passed()
-
-    def _release_passed(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+    def release_passed(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
         # in backward a group also stays while a slot in it waits for its final gradient (a tied weight used
         # again further down), as the original releases a remote chunk
         pending = TensorState.HOLD_AFTER_FWD if self.backward else TensorState.COMPUTE

@@ -257,17 +257,12 @@ class ChunkedOptimizer(Optimizer):
         """Step host-resident parameters with the same fused kernels (their state lives beside them)."""
         if not grads:
             return
-        policy = self.gradient_policy
         for group in self.param_groups:
             params = [p for p in group["params"] if id(p) in grads]
             if not params:
                 continue
             g = [grads[id(p)] for p in params]
-            if coef != 1.0:
-                torch._foreach_mul_(g, coef)
-            if policy.clip_value is not None:
-                for x in g:
-                    x.clamp_(-policy.clip_value, policy.clip_value)
+            self._scale_and_clamp(g, coef)
             data = [p.detach() for p in params]
             if self._is_adam:
                 states = [self._host_state.setdefault(id(p), {}) for p in params]
@@ -345,13 +340,8 @@ class ChunkedOptimizer(Optimizer):
         grads = self._family_grads(family)
         if not grads:
             return
-        policy = self.gradient_policy
         grad_list = list(grads.values())
-        if coef != 1.0:
-            torch._foreach_mul_(grad_list, coef)
-        if policy.clip_value is not None:
-            for g in grad_list:
-                g.clamp_(-policy.clip_value, policy.clip_value)
+        self._scale_and_clamp(grad_list, coef)
         master = family.chunks.get(ChunkKind.MASTER, family.param_chunk)
         by_group: dict[int, list[ParamRecord]] = defaultdict(list)
         for record in family.records:
@@ -426,11 +416,7 @@ class ChunkedOptimizer(Optimizer):
             if inv_scale != 1.0:
                 grad_range = grad_range.mul(inv_scale)
         grads = list(grad_range.split_with_sizes(plan.sizes)[::2])
-        if coef != 1.0:
-            torch._foreach_mul_(grads, coef)
-        if policy.clip_value is not None:
-            for g in grads:
-                g.clamp_(-policy.clip_value, policy.clip_value)
+        self._scale_and_clamp(grads, coef)
         master = family.chunks.get(ChunkKind.MASTER, param_chunk)
         params = plan.slots(master.data)
         device = params[0].device
@@ -452,6 +438,15 @@ class ChunkedOptimizer(Optimizer):
             for record in records:
                 manager.set_slot_holds_grad(record, False)  # the parameter points at the new weight again
         return True
+
+    def _scale_and_clamp(self, grads: list[torch.Tensor], coef: float) -> None:
+        """In place: the clipping-by-norm coefficient, then clipping by value (the gradient policy's)."""
+        if coef != 1.0:
+            torch._foreach_mul_(grads, coef)
+        clip_value = self.gradient_policy.clip_value
+        if clip_value is not None:
+            for g in grads:
+                g.clamp_(-clip_value, clip_value)
 
     def _step_tensor(self, record: ParamRecord, device: torch.device) -> torch.Tensor:
         step = self._steps.get(record.index)
