@@ -49,7 +49,7 @@ and the strategies need
     auto / ddp:    16 P + A <= D                                   (everything on the device; host unused)
     fsdp offload:  16 P / ranks <= H / ranks  and  A + 4 U <= D    (states on the host; U: parameters of the
                                                                     largest FSDP unit, bf16 params + grads)
-    patrickstar:   lightning_pstar.plan.plan_capacity(device_memory = D - A, host_memory = H / ranks).fits
+    patrickstar:   lightning_pstar.planning.plan_capacity(device_memory = D - A, host_memory = H / ranks).fits
                    (14 B/param in chunks over both tiers, padding included, and one module's chunks on D)
 
 Found by a doubling-then-bisection search over k (the planner, no training). Printed next to the paper's
@@ -83,7 +83,7 @@ from typing_extensions import override
 from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.demos import GPT, GPTConfig, GPTLightningModule, StdlibCharDataModule, gpt_num_params
 from lightning_pstar.demos.timing import StepTimer
-from lightning_pstar.plan import plan_capacity
+from lightning_pstar.planning import plan_capacity
 
 RUN_KEYS = (
     "auto",

@@ -15,7 +15,7 @@ a rung is tried only when it is predicted to fit D (default: 0.8 of the GPU, the
 (default: 0.8 of the RAM), so that no run can take the machine's host memory down:
 
     activations  A = n_layer * 34 * b * T * n_embd + 10 * b * T * vocab      (bf16, no recomputation)
-    patrickstar:  lightning_pstar.plan.plan_capacity(device_memory = D - A, host_memory = H).fits
+    patrickstar:  lightning_pstar.planning.plan_capacity(device_memory = D - A, host_memory = H).fits
     fsdp-offload: 16 P <= H  and  A + 4 U <= D   (U: parameters of the largest FSDP unit, bf16 params + grads)
 
 Every run is a fresh process (``--worker``), so a run that fails (out of memory) leaves nothing behind. The
@@ -56,7 +56,7 @@ from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.config import parse_bytes
 from lightning_pstar.demos import GPT, GPTConfig, GPTLightningModule, StdlibCharDataModule, gpt_num_params
 from lightning_pstar.demos.timing import StepTimer
-from lightning_pstar.plan import plan_capacity
+from lightning_pstar.planning import plan_capacity
 
 STRATEGIES = ("patrickstar", "fsdp-offload")
 LADDER = ((24, 2048), (32, 2560), (36, 3072), (32, 4096), (36, 4608), (40, 5120), (40, 5632), (44, 6144), (48, 7168))

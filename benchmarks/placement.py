@@ -138,7 +138,7 @@ def choose_chunk_size(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from lightning_pstar.demos import GPT
-    from lightning_pstar.layout import ALIGN, ParamSpec, plan_layout
+    from lightning_pstar.planning.layout import ALIGN, ParamSpec, plan_layout
 
     with torch.device("meta"):
         model = GPT(gpt_config(args))

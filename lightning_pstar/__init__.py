@@ -7,7 +7,7 @@ Importing the package registers the strategy name ``"patrickstar"`` with Lightni
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pstar.callbacks import PatrickStarMonitor, plot_tide
-from lightning_pstar.chunk_manager import MemoryBudgetError
+from lightning_pstar.runtime.manager import MemoryBudgetError
 from lightning_pstar.config import LossScaleConfig, Placement, PStarConfig
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport

@@ -11,7 +11,7 @@
 The *tide* is PatrickStar's picture of one iteration: at every moment (before a module's forward, before
 its backward, the optimizer step) non-model memory (activations) rises and falls, and the room left for
 chunks under the device budget is what remains. :func:`plot_tide` draws it from a
-:class:`~lightning_pstar.chunk_manager.MemoryReport` and needs no Trainer.
+:class:`~lightning_pstar.runtime.manager.MemoryReport` and needs no Trainer.
 
 matplotlib is optional (``pip install lightning-pstar[plot]``) and is imported only when a plot is drawn.
 """
@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pstar.chunk_manager import MemoryReport
+from lightning_pstar.runtime.manager import MemoryReport
 from lightning_pstar.strategy import PatrickStarStrategy
 
 if TYPE_CHECKING:

@@ -2,8 +2,8 @@
 
 The strategy subclasses :class:`~lightning.pytorch.strategies.DDPStrategy` so that launching, ranks,
 nodes and cluster environments behave as users expect, and replaces DDP's model wrapping with the chunk
-engine: parameters live in chunks (:mod:`lightning_pstar.chunk_manager`), hooks move them
-(:mod:`lightning_pstar.hooks`), and the user's optimizer is stepped on the chunks
+engine: parameters live in chunks (:mod:`lightning_pstar.runtime.manager`), hooks move them
+(:mod:`lightning_pstar.runtime.hooks`), and the user's optimizer is stepped on the chunks
 (:mod:`lightning_pstar.optim`).
 """
 
@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
-from lightning_pstar.checkpoint import (
+from lightning_pstar.checkpoint.io import (
     SHARDED_KEY,
     CheckpointError,
     SafeCheckpointIO,
@@ -34,10 +34,10 @@ from lightning_pstar.checkpoint import (
     stored_keys,
     write_sharded,
 )
-from lightning_pstar.chunk_manager import ChunkManager
-from lightning_pstar.comm import ChunkComm
+from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.config import LossScaleConfig, PStarConfig
-from lightning_pstar.hooks import ModelHooks
+from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport

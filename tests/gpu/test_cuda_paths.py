@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import PatrickStarStrategy
-from lightning_pstar.chunk import Chunk, ChunkKind, TransferStats
-from lightning_pstar.state import Tier
+from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
+from lightning_pstar.runtime.state import Tier
 
 pytestmark = pytest.mark.gpu
 

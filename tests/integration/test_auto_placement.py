@@ -36,7 +36,7 @@ from run to run (see ``test_warmup_trace_does_not_depend_on_the_budget``), up to
 FLOOR_TRIES = 12
 SHIFT_AT = 3
 """Optimizer step from which ``ShiftingLM`` stops following the warm-up's execution order."""
-TRACER_LOGGER = "lightning_pstar.memory_tracer"
+TRACER_LOGGER = "lightning_pstar.runtime.tracer"
 _NEEDED_RE = re.compile(r"together ([\d,]+) bytes .*but the device budget is ([\d,]+) bytes")
 
 

@@ -129,7 +129,7 @@ def test_tied_embedding_stays_in_chunks_with_a_warning(caplog: pytest.LogCapture
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
-    with caplog.at_level("WARNING", logger="lightning_pstar.chunk_manager"):
+    with caplog.at_level("WARNING", logger="lightning_pstar.runtime.manager"):
         trainer.fit(TiedModule(), DataLoader(TensorDataset(x, x), batch_size=4))
     assert "stays in the chunks" in caplog.text
     report = trainer.strategy.memory_report()  # type: ignore[attr-defined]

@@ -34,9 +34,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import LossScaleConfig, PatrickStarPrecision, PatrickStarStrategy
-from lightning_pstar.chunk import ChunkKind
+from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.precision import LossScaleUnderflowError
-from lightning_pstar.state import Tier
+from lightning_pstar.runtime.state import Tier
 
 H = 32  # width of every model here (helpers.Block is built for 32)
 SEED = 1234

@@ -1,12 +1,12 @@
-"""Unit tests of lightning_pstar.chunk: storage per tier, moves, stats, storage identity."""
+"""Unit tests of lightning_pstar.runtime.chunk: storage per tier, moves, stats, storage identity."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_pstar.chunk import Chunk, ChunkKind, Slot, TransferStats
-from lightning_pstar.state import ChunkState, TensorState, Tier
+from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot, TransferStats
+from lightning_pstar.runtime.state import ChunkState, TensorState, Tier
 
 CPU = torch.device("cpu")
 
@@ -247,7 +247,7 @@ def test_stats_guard_against_negative_counters() -> None:
 
 
 def test_slot_set_state_uses_guard() -> None:
-    from lightning_pstar.state import InvalidTransitionError
+    from lightning_pstar.runtime.state import InvalidTransitionError
 
     slot = Slot(name="w", offset=0, numel=1, shape=torch.Size([1]))
     slot.set_state(TensorState.HOLD, chunk_id=4)

@@ -1,4 +1,4 @@
-"""Unit tests of lightning_pstar.chunk_manager: planning, materialisation, access/eviction, gradients,
+"""Unit tests of lightning_pstar.runtime.manager: planning, materialisation, access/eviction, gradients,
 state dicts, teardown and the memory report. No Trainer: small modules on the simulated (CPU) device."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pstar.chunk import ChunkKind
-from lightning_pstar.chunk_manager import ChunkManager, MemoryBudgetError, MemoryReport
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.manager import ChunkManager, MemoryBudgetError, MemoryReport
 from lightning_pstar.config import PStarConfig
-from lightning_pstar.state import InvalidTransitionError, TensorState, Tier
+from lightning_pstar.runtime.state import InvalidTransitionError, TensorState, Tier
 
 CPU = torch.device("cpu")
 CAP = 80  # chunk size used with `_mlp`: one Linear(8, 8) (64 + 8 elements) per chunk
@@ -361,9 +361,9 @@ def test_access_protects_the_families_it_fetches() -> None:
 _READ_EVICTED_PARAMETER = """
 import torch
 from torch import nn
-from lightning_pstar.chunk_manager import ChunkManager
+from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.config import PStarConfig
-from lightning_pstar.state import Tier
+from lightning_pstar.runtime.state import Tier
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))

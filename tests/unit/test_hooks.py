@@ -1,4 +1,4 @@
-"""Unit tests of lightning_pstar.hooks: module and gradient hooks driving a ChunkManager, without a Trainer.
+"""Unit tests of lightning_pstar.runtime.hooks: module and gradient hooks driving a ChunkManager, without a Trainer.
 
 Gradients read back from the chunks must equal those of the plain model, whatever the budget forces the
 manager to evict between forward and backward (the storage-identity note in chunk.py)."""
@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pstar.chunk import ChunkKind
-from lightning_pstar.chunk_manager import ChunkManager, MemoryBudgetError, ParamRecord
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.manager import ChunkManager, MemoryBudgetError, ParamRecord
 from lightning_pstar.config import PStarConfig
-from lightning_pstar.hooks import ModelHooks
-from lightning_pstar.state import TensorState, Tier
+from lightning_pstar.runtime.hooks import ModelHooks
+from lightning_pstar.runtime.state import TensorState, Tier
 
 CPU = torch.device("cpu")
 LAYER_CAP = 80  # one Linear(8, 8) per chunk
@@ -359,7 +359,7 @@ def test_eval_forward_leaves_slots_hold(dtype: torch.dtype) -> None:
 
 def test_forward_with_gradient_readable_as_weight_raises() -> None:
     """Running the model between backward and the optimizer step would read gradients as weights."""
-    from lightning_pstar.state import InvalidTransitionError
+    from lightning_pstar.runtime.state import InvalidTransitionError
 
     model = _mlp()
     manager, _ = _setup(model, dtype=torch.bfloat16)

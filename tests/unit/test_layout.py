@@ -1,4 +1,4 @@
-"""Unit tests of lightning_pstar.layout: packing and the chunk-size search (pure, no memory)."""
+"""Unit tests of lightning_pstar.planning.layout: packing and the chunk-size search (pure, no memory)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lightning_pstar.layout import ALIGN, ParamSpec, plan_layout, search_chunk_size
+from lightning_pstar.planning.layout import ALIGN, ParamSpec, plan_layout, search_chunk_size
 
 
 def _p(name: str, numel: int, trainable: bool = True) -> ParamSpec:

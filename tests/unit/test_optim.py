@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pstar.chunk import ChunkKind
-from lightning_pstar.chunk_manager import ChunkManager
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.optim import SUPPORTED_OPTIMIZERS, ChunkedOptimizer
-from lightning_pstar.state import TensorState
+from lightning_pstar.runtime.state import TensorState
 
 CPU = torch.device("cpu")
 CAP = 80
@@ -83,7 +83,7 @@ class _Pair:
         self.ref_opt.step()
 
     def assert_equal(self, *, atol: float = 0.0) -> None:
-        from lightning_pstar.state import Tier
+        from lightning_pstar.runtime.state import Tier
 
         ref = dict(self.reference.named_parameters())
         for record in self.manager.records:
@@ -194,7 +194,7 @@ def test_steps_match_torch(name: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
 def test_steps_match_torch_with_the_optimizer_offloaded(name: str, dtype: torch.dtype) -> None:
     """A device budget of one chunk family: optimizer states live on HOST and the step runs there."""
-    from lightning_pstar.state import Tier
+    from lightning_pstar.runtime.state import Tier
 
     pair = _Pair(OPTIMIZERS[name], dtype=dtype, device_memory_limit=CAP * dtype.itemsize)
     assert pair.manager.optimizer_tier is Tier.HOST

@@ -1,4 +1,4 @@
-"""Unit tests of lightning_pstar.placement: the static (LRU) policy and the policy registry."""
+"""Unit tests of lightning_pstar.runtime.placement: the static (LRU) policy and the policy registry."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import inspect
 import pytest
 import torch
 
-from lightning_pstar.chunk import Chunk, ChunkKind, Slot, TransferStats
-from lightning_pstar.placement import PlacementPolicy, StaticPlacement, make_policy
-from lightning_pstar.state import TensorState, Tier
+from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot, TransferStats
+from lightning_pstar.runtime.placement import PlacementPolicy, StaticPlacement, make_policy
+from lightning_pstar.runtime.state import TensorState, Tier
 
 
 def _chunk(chunk_id: int, *, kind: ChunkKind = ChunkKind.PARAM, capacity: int = 16, state=TensorState.HOLD) -> Chunk:  # type: ignore[no-untyped-def]
@@ -30,7 +30,7 @@ def _chunk(chunk_id: int, *, kind: ChunkKind = ChunkKind.PARAM, capacity: int = 
 def _make_policy(name: str) -> PlacementPolicy:
     # the trace-driven "auto" policy (in progress) gives make_policy a tracer argument; accept both signatures
     if "tracer" in inspect.signature(make_policy).parameters:
-        from lightning_pstar.memory_tracer import MemoryTracer  # type: ignore[import-not-found]
+        from lightning_pstar.runtime.tracer import MemoryTracer  # type: ignore[import-not-found]
 
         return make_policy(name, MemoryTracer(torch.device("cpu"), lambda: 0))  # type: ignore[call-arg]
     return make_policy(name)

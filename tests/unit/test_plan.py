@@ -1,4 +1,4 @@
-"""Unit tests of lightning_pstar.plan: the capacity planner prices exactly what the engine allocates, decides
+"""Unit tests of lightning_pstar.planning: the capacity planner prices exactly what the engine allocates, decides
 fit / no fit at the boundary, finds the largest GPT that fits, never allocates weights, and its command line
 reports figures or a clear argparse-style error."""
 
@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pstar.chunk import ChunkKind
-from lightning_pstar.chunk_manager import ChunkManager
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.demos.gpt import GPT, GPTConfig, gpt_num_params
-from lightning_pstar.plan import CapacityPlan, bytes_per_element, main, plan_capacity
+from lightning_pstar.planning import CapacityPlan, bytes_per_element, main, plan_capacity
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT_SMALL = ROOT / "configs" / "model" / "gpt_small.yaml"
@@ -318,7 +318,7 @@ def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "message"),
     [
         (["nosuch_pkg.models:build"], r"Unknown model target 'nosuch_pkg.models:build'.*HINT"),
-        (["lightning_pstar.plan:nothing"], r"has no attribute 'nothing'"),
+        (["lightning_pstar.planning:nothing"], r"has no attribute 'nothing'"),
         (["not-a-target"], r"Unknown model target 'not-a-target'.*HINT"),
         (["missing.yaml"], r"Model config 'missing.yaml' does not exist"),
         ([str(GPT_SMALL), "--set", "n_layers=3"], r"Unknown GPT size\(s\) \['n_layers'\].*HINT"),

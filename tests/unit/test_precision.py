@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
-from lightning_pstar.chunk_manager import ChunkManager
+from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.config import LossScaleConfig, PStarConfig
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import SUPPORTED_PRECISIONS, LossScaleUnderflowError, PatrickStarPrecision

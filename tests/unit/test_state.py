@@ -1,4 +1,4 @@
-"""Unit tests of lightning_pstar.state: the transition table and its guard."""
+"""Unit tests of lightning_pstar.runtime.state: the transition table and its guard."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from lightning_pstar.state import (
+from lightning_pstar.runtime.state import (
     ALLOWED_TRANSITIONS,
     ChunkState,
     InvalidTransitionError,

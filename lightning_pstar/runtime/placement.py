@@ -17,11 +17,11 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from lightning_pstar.chunk import Chunk, ChunkKind
-from lightning_pstar.state import ChunkState, Tier
+from lightning_pstar.runtime.chunk import Chunk, ChunkKind
+from lightning_pstar.runtime.state import ChunkState, Tier
 
 if TYPE_CHECKING:
-    from lightning_pstar.memory_tracer import MemoryTracer
+    from lightning_pstar.runtime.tracer import MemoryTracer
 
 __all__ = ["AutoPlacement", "PlacementPolicy", "StaticPlacement", "make_policy"]
 

@@ -20,9 +20,9 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as adam_functional
 from torch.optim.sgd import sgd as sgd_functional
 
-from lightning_pstar.chunk import ChunkKind
-from lightning_pstar.chunk_manager import ChunkFamily, ChunkManager, ParamRecord
-from lightning_pstar.state import Tier
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.manager import ChunkFamily, ChunkManager, ParamRecord
+from lightning_pstar.runtime.state import Tier
 
 __all__ = ["ChunkedOptimizer", "GradientPolicy", "SUPPORTED_OPTIMIZERS"]
 

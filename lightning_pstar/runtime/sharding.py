@@ -1,7 +1,7 @@
 """ZeRO data parallelism over chunk groups: gather on access, release after use, reduce gradients.
 
 Chunk *i* belongs to communication group ``i // world_size`` and is owned by rank ``i % world_size``
-(:mod:`lightning_pstar.comm`). A rank keeps the param chunk, fp32 master and optimizer states only of the
+(:mod:`lightning_pstar.runtime.comm`). A rank keeps the param chunk, fp32 master and optimizer states only of the
 families it owns. When a module needs a chunk of group *g*, every rank all-gathers the group's param
 chunks into local storage; the remote ones are released once the pass has moved on. In backward each rank
 writes its local gradients into a temporary fp32 buffer per family; a group complete on every rank is
@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_pstar.comm import ChunkComm
-from lightning_pstar.state import TensorState, Tier
+from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.state import TensorState, Tier
 
 if TYPE_CHECKING:
-    from lightning_pstar.chunk_manager import ChunkFamily, ChunkManager, ParamRecord
+    from lightning_pstar.runtime.manager import ChunkFamily, ChunkManager, ParamRecord
 
 __all__ = ["GroupCoordinator"]
 

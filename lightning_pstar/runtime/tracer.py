@@ -3,13 +3,13 @@
 A *moment* is one point of the iteration: before a module's forward, before a module's backward, or the
 optimizer step. During the warm-up iteration the tracer records, per moment, which chunk families are
 accessed and the peak of non-model memory until the next moment. Later iterations plan from that trace
-(:class:`~lightning_pstar.placement.AutoPlacement`): the room for chunks at moment ``t`` is
+(:class:`~lightning_pstar.runtime.placement.AutoPlacement`): the room for chunks at moment ``t`` is
 ``budget - non_model[t]``.
 
 Non-model memory is measured with the CUDA allocator on a GPU (peak between moments, minus chunk bytes)
 and, on the simulated device, as the bytes of tensors autograd saves for backward, excluding views of
 chunks, which are model data. The saved-tensor hooks themselves are installed by
-:meth:`lightning_pstar.hooks.ModelHooks.saved_tensors` (one pair for the whole engine), which hands every
+:meth:`lightning_pstar.runtime.hooks.ModelHooks.saved_tensors` (one pair for the whole engine), which hands every
 saved tensor that is not a chunk-backed weight to :meth:`MemoryTracer.count` while :attr:`counting`.
 """
 

@@ -1,7 +1,7 @@
 """State dicts of the chunk engine: consolidated, sharded and the hand-back of an ordinary module.
 
 Kept apart from ``chunk_manager.py`` (which owns placement and the iteration) as a mixin of
-:class:`~lightning_pstar.chunk_manager.ChunkManager`: with several ranks each family's values come from its
+:class:`~lightning_pstar.runtime.manager.ChunkManager`: with several ranks each family's values come from its
 owner, streamed to rank 0 for checkpoints or broadcast when every rank needs them.
 """
 
@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_pstar.chunk import ChunkKind
+from lightning_pstar.runtime.chunk import ChunkKind
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from lightning_pstar.chunk_manager import ChunkFamily, ParamRecord
-    from lightning_pstar.comm import ChunkComm
-    from lightning_pstar.groups import GroupCoordinator
+    from lightning_pstar.runtime.manager import ChunkFamily, ParamRecord
+    from lightning_pstar.runtime.comm import ChunkComm
+    from lightning_pstar.runtime.sharding import GroupCoordinator
 
 __all__ = ["StateDictsMixin"]
 

@@ -25,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from lightning_pstar.state import ALLOWED_TRANSITIONS, ChunkState, TensorState, Tier, check_transition
+from lightning_pstar.runtime.state import ALLOWED_TRANSITIONS, ChunkState, TensorState, Tier, check_transition
 
 __all__ = ["Chunk", "ChunkKind", "Slot", "TransferStats"]
 

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pstar.chunk import ChunkKind
-from lightning_pstar.chunk_manager import ChunkManager, ParamRecord
-from lightning_pstar.memory_tracer import MomentKind
-from lightning_pstar.state import TensorState
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.manager import ChunkManager, ParamRecord
+from lightning_pstar.runtime.tracer import MomentKind
+from lightning_pstar.runtime.state import TensorState
 
 __all__ = ["ModelHooks"]
 

@@ -17,16 +17,16 @@ from typing import cast
 import torch
 from torch import nn
 
-from lightning_pstar.chunk import Chunk, ChunkKind, Slot, TransferStats
-from lightning_pstar.comm import ChunkComm
+from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot, TransferStats
+from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.config import PStarConfig
-from lightning_pstar.groups import GroupCoordinator
-from lightning_pstar.layout import Layout, ParamSpec, plan_layout, search_chunk_size
-from lightning_pstar.memory_tracer import MemoryTracer, MomentKind
-from lightning_pstar.placement import PlacementPolicy, make_policy
+from lightning_pstar.runtime.sharding import GroupCoordinator
+from lightning_pstar.planning.layout import Layout, ParamSpec, plan_layout, search_chunk_size
+from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
+from lightning_pstar.runtime.placement import PlacementPolicy, make_policy
 from lightning_pstar.report import MemoryReport
-from lightning_pstar.state import TensorState, Tier
-from lightning_pstar.state_dicts import StateDictsMixin
+from lightning_pstar.runtime.state import TensorState, Tier
+from lightning_pstar.checkpoint.model_state import StateDictsMixin
 
 __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "ParamRecord"]
 
