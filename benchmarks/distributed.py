@@ -158,7 +158,7 @@ def train_rank(rank: int, args: argparse.Namespace, name: str) -> dict[str, Any]
     }
     strategy: Any
     if name == "patrickstar":
-        strategy = PatrickStarStrategy.from_config({"chunk_size": args.chunk_size})
+        strategy = PatrickStarStrategy(chunk_size=args.chunk_size)
         module: L.LightningModule = GPTLightningModule(**model_kwargs)
     elif name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy

@@ -136,7 +136,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         options: dict[str, Any] = {"chunk_size": args.chunk_size, "device_memory_limit": args.device_memory_limit}
         if args.placement is not None:
             options["placement"] = args.placement
-        strategy = PatrickStarStrategy.from_config(options)
+        strategy = PatrickStarStrategy(**options)
     timer = StepTimer()
     trainer = L.Trainer(
         accelerator="auto",

@@ -3,7 +3,7 @@
     python examples/train_gpt.py                      # PatrickStar, bf16-mixed, about 5 minutes on 2 CPU cores
     python examples/train_gpt.py +experiment=tiny     # a smoke run of a few steps
     python examples/train_gpt.py strategy=auto        # plain Lightning, for comparison
-    python examples/train_gpt.py strategy.device_memory_limit=160MiB trainer.max_steps=300
+    python examples/train_gpt.py strategy.memory.device_limit=160MiB trainer.max_steps=300
 
 Every option lives in configs/ (Hydra); see configs/train_gpt.yaml. Outputs (logs, checkpoints, Hydra's
 record of the config) go to Hydra's run directory, ``outputs/<date>/<time>/`` unless ``hydra.run.dir`` is set.

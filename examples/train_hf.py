@@ -3,8 +3,8 @@
     python examples/train_hf.py                        # a tiny GPT-2, bf16-mixed, about a minute on 2 CPU cores
     python examples/train_hf.py model=hf_llama         # a tiny Llama instead
     python examples/train_hf.py model.config.n_layer=4 trainer.max_steps=300
-    python examples/train_hf.py model.gradient_checkpointing=true strategy.placement=static \
-        strategy.device_memory_limit=100KiB   # chunks evicted to HOST and fetched back every step
+    python examples/train_hf.py model.gradient_checkpointing=true strategy.placement.policy=static \
+        strategy.memory.device_limit=100KiB   # chunks evicted to HOST and fetched back every step
     python examples/train_hf.py strategy=auto          # plain Lightning, for comparison
 
 The model is ``AutoModelFor<task>.from_config(AutoConfig.for_model(model.model_type, **model.config))``, so any

@@ -7,8 +7,8 @@ Importing the package registers the strategy name ``"patrickstar"`` with Lightni
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pstar.callbacks import PatrickStarMonitor, plot_tide
-from lightning_pstar.runtime.manager import MemoryBudgetError
 from lightning_pstar.config import LossScaleConfig, Placement, PStarConfig
+from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.strategy import PatrickStarStrategy

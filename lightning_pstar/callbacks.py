@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pstar.runtime.manager import MemoryReport
+from lightning_pstar.report import MemoryReport
 from lightning_pstar.strategy import PatrickStarStrategy
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ _METRIC_NAMES = frozenset(
         "h2d_bytes",
         "d2h_bytes",
         "evictions",
+        "moves_off_device",
         "prefetches",
         "peak_non_model_bytes",
     )
@@ -255,6 +256,7 @@ class PatrickStarMonitor(pl.Callback):
             "h2d_bytes": report.h2d_bytes,
             "d2h_bytes": report.d2h_bytes,
             "evictions": report.evictions,
+            "moves_off_device": report.moves_off_device,
             "prefetches": report.prefetches,
         }
 

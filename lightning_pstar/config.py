@@ -1,22 +1,92 @@
 """Typed configuration of the PatrickStar strategy.
 
-Every option lives in one ``kw_only`` dataclass tree so that Python users, OmegaConf structured configs
-and Hydra YAML files are validated by the same code: OmegaConf rejects unknown keys and wrong types,
-``__post_init__`` rejects bad values with a message naming the field, the value and what is accepted.
+Every option lives in one ``kw_only`` dataclass tree, nested by concern, so that Python users, OmegaConf
+structured configs and Hydra YAML files are validated by the same code::
+
+    PStarConfig
+      chunks            ChunkConfig           size, cpu_embedding
+      memory            MemoryConfig          device_limit, host_limit, device_fraction, host_fraction
+      placement         PlacementConfig       policy, static_chunk_fraction, warmup_chunk_fraction
+      mixed_precision   MixedPrecisionConfig  frozen_master, loss_scale (LossScaleConfig)
+      checkpoint        CheckpointFormat      consolidated | sharded
+
+``__post_init__`` refuses a wrong type or range with a ``ValueError`` naming the option, the value and what
+is accepted. The strategy's flat keywords (``PatrickStarStrategy(device_memory_limit="8GiB")``) map onto this
+tree through one table, :data:`FLAT_OPTIONS`, used by :meth:`PStarConfig.from_flat`.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict, TypeVar, get_type_hints
 
-__all__ = ["LossScaleConfig", "PStarConfig", "Placement", "parse_bytes"]
+from typing_extensions import Unpack
+
+__all__ = [
+    "FLAT_OPTIONS",
+    "SUPPORTED_PRECISIONS",
+    "CheckpointFormat",
+    "ChunkConfig",
+    "LossScaleConfig",
+    "MAX_CHUNK_ELEMENTS",
+    "MemoryConfig",
+    "MixedPrecisionConfig",
+    "PStarConfig",
+    "PStarOptions",
+    "Placement",
+    "PlacementConfig",
+    "UnknownOptionError",
+    "check_option_names",
+    "parse_bytes",
+]
+
+SUPPORTED_PRECISIONS: tuple[str, ...] = ("16-mixed", "bf16-mixed", "32-true")
+"""The ``Trainer(precision=...)`` values PatrickStar trains with (true half precision keeps no fp32 master)."""
+
+MAX_CHUNK_ELEMENTS = 2**31
+"""Largest explicit ``chunks.size``: a chunk of 2**31 elements is already 4 GiB in bf16 and 8 GiB in fp32, so a
+larger value is almost always bytes given where elements are meant."""
 
 
-class Placement(str, Enum):
+class UnknownOptionError(ValueError, TypeError):
+    """A misspelled or unknown option. A ``ValueError`` like every configuration error, and a ``TypeError``
+    like Python's own error for an unexpected keyword argument, so callers catching either still catch it."""
+
+
+# [Note: enums in OmegaConf]
+# OmegaConf looks enum members up by *name* ("AUTO"), while YAML files and the strategy's keywords use the
+# values ("auto"). Each member therefore has a lower-case alias equal to its value: OmegaConf structured
+# configs accept `policy: auto`, and iteration (`list(Placement)`) still yields each member once.
+# `from_mapping` converts by value itself, so it accepts exactly the values.
+class _ValueEnum(str, Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def coerce(cls: type[_E], value: object, *, name: str) -> _E:
+        """``value`` (a member or its value string) as a member; anything else raises naming ``name``."""
+        if isinstance(value, cls):
+            return value
+        for member in cls:
+            if isinstance(value, str) and value == member.value:
+                return member
+        accepted = [m.value for m in cls]
+        raise ValueError(f"`{name}` must be one of {accepted}, got {value!r}.")
+
+
+_E = TypeVar("_E", bound=_ValueEnum)
+_S = TypeVar("_S")
+
+
+class Placement(_ValueEnum):
     """How chunks are placed between the DEVICE and HOST tiers."""
 
     AUTO = "auto"
@@ -28,20 +98,25 @@ class Placement(str, Enum):
     """ZeRO-Offload style baseline: chunks may use ``static_chunk_fraction`` of the device budget; when it
     is full the least recently used ``HOLD*`` chunk is evicted to HOST. Optimizer states stay on DEVICE only
     if all model data fits that share."""
+    auto = "auto"  # alias, see [Note: enums in OmegaConf]
+    static = "static"  # alias
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+class CheckpointFormat(_ValueEnum):
+    """How checkpoints are written."""
+
+    CONSOLIDATED = "consolidated"
+    """One ordinary Lightning file with the model's own names and torch's optimizer layout, gathered family
+    by family to rank 0."""
+    SHARDED = "sharded"
+    """A directory in which every rank writes what it owns with torch.distributed.checkpoint; loads at any
+    world size; ``python -m lightning_pstar.consolidate DIR OUT.ckpt`` turns it into one file."""
+    consolidated = "consolidated"  # alias, see [Note: enums in OmegaConf]
+    sharded = "sharded"  # alias
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 _BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -70,166 +145,390 @@ def parse_bytes(value: int | str, *, name: str) -> int:
     return nbytes
 
 
+# ---- value checks (each names the option, the value and what is accepted) ------------------------------------
+def _number(value: object, *, name: str, accepted: str) -> float:
+    # bool is an int in Python, but `device_fraction=True` is a mistake, never a number
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`{name}` must be a number {accepted}, got {value!r} ({type(value).__name__}).")
+    return float(value)
+
+
+def _fraction(value: object, *, name: str) -> float:
+    number = _number(value, name=name, accepted="in (0, 1]")
+    if not 0 < number <= 1:
+        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
+    return number
+
+
+def _flag(value: object, *, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be true or false, got {value!r}.")
+    return value
+
+
+def _byte_limit(value: object, *, name: str) -> int | str | None:
+    if value is not None:
+        parse_bytes(value, name=name)  # type: ignore[arg-type]  # parse_bytes names any other type
+    return value  # type: ignore[return-value]
+
+
+# ---- the sections ------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class ChunkConfig:
+    """How parameters are packed into chunks."""
+
+    size: int | str = "auto"
+    """Capacity of one chunk in elements (1 to ``MAX_CHUNK_ELEMENTS`` = 2**31), or "auto": the size that
+    wastes the fewest bytes while two chunk groups still fit the device budget. A parameter larger than an
+    explicit size gets a chunk of its own."""
+    cpu_embedding: bool = False
+    """Keep ``nn.Embedding`` weights fp32 on the host, outside the chunks: the lookup runs on the host and
+    only its output moves to the device. Frees the largest tensor from setting the chunk size. Embeddings
+    tied to another module (an output head) stay in the chunks."""
+
+    def __post_init__(self) -> None:
+        size = self.size
+        if isinstance(size, str) and size.strip().lstrip("-").isdigit():
+            size = int(size)
+        valid = isinstance(size, int) and not isinstance(size, bool) and 0 < size <= MAX_CHUNK_ELEMENTS
+        if size != "auto" and not valid:
+            raise ValueError(
+                f"`chunks.size` must be a positive number of elements (at most 2**31 = {MAX_CHUNK_ELEMENTS}) or"
+                f" 'auto', got {self.size!r}. HINT: use 'auto' to let the strategy pick it; the size counts"
+                " elements, not bytes."
+            )
+        self.size = size
+        _flag(self.cpu_embedding, name="chunks.cpu_embedding")
+
+    @property
+    def elements(self) -> int | None:
+        """The explicit chunk size in elements, or None for "auto"."""
+        return None if self.size == "auto" else int(self.size)
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """Byte budgets of the two tiers. Limits accept an int (bytes) or a string with a unit ("8GiB")."""
+
+    device_limit: int | str | None = None
+    """Device memory PatrickStar may fill. Under ``placement.policy="auto"`` this is the budget for chunks
+    AND non-model data (activations, temporaries) together: the warm-up iteration measures non-model memory
+    and afterwards chunks get ``device_limit - non_model[t]`` at each moment ``t``. Under ``"static"`` chunks
+    may use ``placement.static_chunk_fraction`` of it and the rest is left to non-model data, which is not
+    measured. None: unlimited on a simulated (CPU) device, ``device_fraction`` of the accelerator's total
+    memory on a GPU."""
+    host_limit: int | str | None = None
+    """Bytes of chunk data allowed in host RAM. None: ``host_fraction`` of the machine's RAM divided by the
+    number of local ranks."""
+    device_fraction: float = 0.8
+    """Share of the accelerator's total memory used as the default device budget, in (0, 1]."""
+    host_fraction: float = 0.8
+    """Share of host RAM used as the default host budget, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        self.device_limit = _byte_limit(self.device_limit, name="memory.device_limit")
+        self.host_limit = _byte_limit(self.host_limit, name="memory.host_limit")
+        self.device_fraction = _fraction(self.device_fraction, name="memory.device_fraction")
+        self.host_fraction = _fraction(self.host_fraction, name="memory.host_fraction")
+
+    @property
+    def device_limit_bytes(self) -> int | None:
+        """``device_limit`` in bytes, or None when unset."""
+        v = self.device_limit
+        return None if v is None else parse_bytes(v, name="memory.device_limit")
+
+    @property
+    def host_limit_bytes(self) -> int | None:
+        """``host_limit`` in bytes, or None when unset."""
+        v = self.host_limit
+        return None if v is None else parse_bytes(v, name="memory.host_limit")
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """Which chunks sit on the device at each moment."""
+
+    policy: Placement = Placement.AUTO
+    """"auto" (trace-driven, the default) or "static" (a fixed share of the budget, least recently used
+    eviction); see :class:`Placement`."""
+    static_chunk_fraction: float = 1.0
+    """``policy="static"``: share of the device budget chunks may use (the rest is left to activations), in
+    (0, 1]."""
+    warmup_chunk_fraction: float = 0.25
+    """``policy="auto"``: share of the device budget chunks may use during the warm-up iteration, while
+    non-model memory is measured, in (0, 1]; never less than one module's chunks."""
+
+    def __post_init__(self) -> None:
+        self.policy = Placement.coerce(self.policy, name="placement.policy")
+        self.static_chunk_fraction = _fraction(self.static_chunk_fraction, name="placement.static_chunk_fraction")
+        self.warmup_chunk_fraction = _fraction(self.warmup_chunk_fraction, name="placement.warmup_chunk_fraction")
+
+
+_LS = "mixed_precision.loss_scale"
+
+
 @dataclass(kw_only=True)
 class LossScaleConfig:
     """Dynamic loss scaling for ``16-mixed``; ignored in the other precisions."""
 
     initial_scale: float = 2.0**16
-    """Loss scale at the first step."""
+    """Loss scale at the first step (finite, > 0)."""
     growth_factor: float = 2.0
-    """Multiplier applied after ``growth_interval`` steps without inf/nan gradients (> 1)."""
+    """Multiplier applied after ``growth_interval`` steps without inf/nan gradients (finite, > 1)."""
     backoff_factor: float = 0.5
     """Multiplier applied when a step overflows; the step is skipped (between 0 and 1)."""
     growth_interval: int = 2000
-    """Number of consecutive finite steps before the scale grows (>= 1)."""
+    """Number of consecutive finite steps before the scale grows (an int >= 1)."""
     min_scale: float = 1.0
-    """Smallest scale allowed; reaching it raises an error rather than skipping steps forever."""
+    """Smallest scale allowed, in (0, initial_scale]; reaching it raises an error rather than skipping steps
+    forever."""
 
     def __post_init__(self) -> None:
-        if not self.initial_scale > 0:
-            raise ValueError(f"`loss_scale.initial_scale` must be > 0, got {self.initial_scale!r}.")
-        if not self.growth_factor > 1:
-            raise ValueError(f"`loss_scale.growth_factor` must be > 1, got {self.growth_factor!r}.")
+        # an infinite scale makes every scaled gradient inf: every 16-mixed step would be skipped forever
+        self.initial_scale = _number(self.initial_scale, name=f"{_LS}.initial_scale", accepted="> 0, finite")
+        if not (self.initial_scale > 0 and math.isfinite(self.initial_scale)):
+            raise ValueError(f"`{_LS}.initial_scale` must be > 0 and finite, got {self.initial_scale!r}.")
+        self.growth_factor = _number(self.growth_factor, name=f"{_LS}.growth_factor", accepted="> 1, finite")
+        if not (self.growth_factor > 1 and math.isfinite(self.growth_factor)):
+            raise ValueError(f"`{_LS}.growth_factor` must be > 1 and finite, got {self.growth_factor!r}.")
+        self.backoff_factor = _number(self.backoff_factor, name=f"{_LS}.backoff_factor", accepted="in (0, 1)")
         if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"`loss_scale.backoff_factor` must be in (0, 1), got {self.backoff_factor!r}.")
-        if self.growth_interval < 1:
-            raise ValueError(f"`loss_scale.growth_interval` must be >= 1, got {self.growth_interval!r}.")
+            raise ValueError(f"`{_LS}.backoff_factor` must be in (0, 1), got {self.backoff_factor!r}.")
+        interval = self.growth_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"`{_LS}.growth_interval` must be an int >= 1 (a number of steps), got {interval!r}.")
+        self.min_scale = _number(self.min_scale, name=f"{_LS}.min_scale", accepted="in (0, initial_scale]")
         if not 0 < self.min_scale <= self.initial_scale:
             raise ValueError(
-                f"`loss_scale.min_scale` must be in (0, initial_scale={self.initial_scale}], got {self.min_scale!r}."
+                f"`{_LS}.min_scale` must be in (0, initial_scale={self.initial_scale}], got {self.min_scale!r}."
             )
 
 
 @dataclass(kw_only=True)
-class PStarConfig:
-    """All options of :class:`~lightning_pstar.PatrickStarStrategy`.
+class MixedPrecisionConfig:
+    """Options of ``bf16-mixed`` and ``16-mixed``; ignored under ``32-true``."""
 
-    Byte budgets accept an int (bytes) or a string with a unit ("512MiB", "8GiB").
-    """
-
-    chunk_size: int | str = "auto"
-    """Capacity of one chunk in elements, or "auto": the size that wastes the fewest bytes while two
-    chunk groups still fit the device budget. A parameter larger than an explicit size gets a chunk of
-    its own."""
-    placement: str = "auto"
-    """Placement policy of chunks between DEVICE and HOST: "auto" (trace-driven, the default) or "static"
-    (a fixed share of the budget, least recently used eviction)."""
-    device_memory_limit: int | str | None = None
-    """Bytes of chunk data allowed on the device. None: unlimited on a simulated (CPU) device,
-    ``device_memory_fraction`` of the accelerator's memory on a GPU."""
-    host_memory_limit: int | str | None = None
-    """Bytes of chunk data allowed in host RAM. None: ``host_memory_fraction`` of the machine's RAM
-    divided by the number of local ranks."""
-    device_memory_fraction: float = 0.8
-    """Share of the accelerator's total memory used as the default device budget (0, 1]."""
-    host_memory_fraction: float = 0.8
-    """Share of host RAM used as the default host budget (0, 1]."""
-    static_chunk_fraction: float = 1.0
-    """``placement="static"``: share of the device budget chunks may use (the rest is left to activations)
-    (0, 1]."""
-    warmup_chunk_fraction: float = 0.25
-    """``placement="auto"``: share of the device budget chunks may use during the warm-up iteration, while
-    non-model memory is measured (0, 1]; never less than one module's chunks."""
-    checkpoint: str = "consolidated"
-    """How checkpoints are written: "consolidated" (one ordinary Lightning file with the model's own names and
-    torch's optimizer layout, gathered family by family to rank 0) or "sharded" (a directory in which every
-    rank writes what it owns with torch.distributed.checkpoint; loads at any world size; turn it into one file
-    with ``python -m lightning_pstar.consolidate DIR OUT.ckpt``)."""
-    cpu_embedding: bool = False
-    """Keep ``nn.Embedding`` weights fp32 on the host, outside the chunks: the lookup runs on the host and
-    only its output moves to the device. Frees the largest tensor from setting the chunk size. Embeddings
-    tied to another module (an output head) stay in the chunks."""
     frozen_master: bool = True
-    """Mixed precision: keep an fp32 copy of every frozen parameter (``requires_grad=False``) in host memory
-    next to its compute-dtype chunk, so checkpoints and state dicts return the frozen weights exactly as
-    given (4 host bytes per frozen element). False stores them only in the compute dtype (2 bytes per
-    element, as DeepSpeed does): saved frozen weights are then rounded to bf16/fp16."""
+    """Keep an fp32 copy of every frozen parameter (``requires_grad=False``) in host memory next to its
+    compute-dtype chunk, so checkpoints and state dicts return the frozen weights exactly as given (4 host
+    bytes per frozen element). False stores them only in the compute dtype (2 bytes per element, as DeepSpeed
+    does): saved frozen weights are then rounded to bf16/fp16."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for ``16-mixed``."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.loss_scale, Mapping):
-            known = set(LossScaleConfig.__dataclass_fields__)
-            unknown = sorted(set(self.loss_scale) - known)
-            if unknown:
-                raise ValueError(f"Unknown `loss_scale` option(s) {unknown}. HINT: the options are {sorted(known)}.")
-            self.loss_scale = LossScaleConfig(**self.loss_scale)
-        if not isinstance(self.loss_scale, LossScaleConfig):
-            raise ValueError(
-                f"`loss_scale` must be a LossScaleConfig or a dict of its options, got {self.loss_scale!r}."
-            )
-        if isinstance(self.chunk_size, str) and self.chunk_size.strip().lstrip("-").isdigit():
-            self.chunk_size = int(self.chunk_size)
-        if isinstance(self.chunk_size, bool) or not (
-            self.chunk_size == "auto" or (isinstance(self.chunk_size, int) and self.chunk_size > 0)
-        ):
-            raise ValueError(
-                f"`chunk_size` must be a positive number of elements or 'auto', got {self.chunk_size!r}."
-                " HINT: use chunk_size='auto' to let the strategy pick it."
-            )
-        for name in ("cpu_embedding", "frozen_master"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be true or false, got {getattr(self, name)!r}.")
-        if self.checkpoint not in ("consolidated", "sharded"):
-            raise ValueError(f"`checkpoint` must be 'consolidated' or 'sharded', got {self.checkpoint!r}.")
-        accepted = [p.value for p in Placement]
-        if self.placement not in accepted:
-            raise ValueError(f"`placement` must be one of {accepted}, got {self.placement!r}.")
-        for name in ("device_memory_limit", "host_memory_limit"):
-            value = getattr(self, name)
-            if value is not None:
-                parse_bytes(value, name=name)
-        for name in (
-            "device_memory_fraction",
-            "host_memory_fraction",
-            "static_chunk_fraction",
-            "warmup_chunk_fraction",
-        ):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
+        _flag(self.frozen_master, name="mixed_precision.frozen_master")
+        self.loss_scale = _section(self.loss_scale, LossScaleConfig, name=_LS)
 
-    @property
-    def chunk_elements(self) -> int | None:
-        """The explicit chunk size in elements, or None for "auto"."""
-        return None if self.chunk_size == "auto" else int(self.chunk_size)
 
-    @property
-    def device_limit_bytes(self) -> int | None:
-        """``device_memory_limit`` in bytes, or None when unset."""
-        v = self.device_memory_limit
-        return None if v is None else parse_bytes(v, name="device_memory_limit")
+# ---- the whole configuration -------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class PStarConfig:
+    """All options of :class:`~lightning_pstar.PatrickStarStrategy`, nested by concern.
 
-    @property
-    def host_limit_bytes(self) -> int | None:
-        """``host_memory_limit`` in bytes, or None when unset."""
-        v = self.host_memory_limit
-        return None if v is None else parse_bytes(v, name="host_memory_limit")
+    Sections may be given as instances or as dicts of their options:
+    ``PStarConfig(chunks={"size": 4096}, memory={"device_limit": "8GiB"})``. The strategy's flat keywords
+    build one with :meth:`from_flat`; a dict or OmegaConf/Hydra node with :meth:`from_mapping`.
+    """
+
+    chunks: ChunkConfig = field(default_factory=ChunkConfig)
+    """How parameters are packed into chunks: ``size``, ``cpu_embedding``."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Byte budgets of the device and host tiers: ``device_limit``, ``host_limit`` and the fractions used
+    when a limit is unset."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Which chunks sit on the device at each moment: ``policy`` and its fractions."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """Options of ``bf16-mixed`` and ``16-mixed``: ``frozen_master``, ``loss_scale``."""
+    checkpoint: CheckpointFormat = CheckpointFormat.CONSOLIDATED
+    """How checkpoints are written: "consolidated" (one ordinary Lightning file, gathered to rank 0) or
+    "sharded" (every rank writes what it owns; loads at any world size); see :class:`CheckpointFormat`."""
+
+    def __post_init__(self) -> None:
+        self.chunks = _section(self.chunks, ChunkConfig, name="chunks")
+        self.memory = _section(self.memory, MemoryConfig, name="memory")
+        self.placement = _section(self.placement, PlacementConfig, name="placement")
+        self.mixed_precision = _section(self.mixed_precision, MixedPrecisionConfig, name="mixed_precision")
+        self.checkpoint = CheckpointFormat.coerce(self.checkpoint, name="checkpoint")
+
+    @classmethod
+    def from_flat(cls, **options: Unpack[PStarOptions]) -> PStarConfig:
+        """Build a config from the strategy's flat keywords (``chunk_size=4096, placement="static"``).
+
+        Errors name the keywords as given (``chunk_size``, not ``chunks.size``).
+        """
+        check_option_names(options)
+        nested: dict[str, Any] = {}
+        for flat, value in options.items():
+            if flat == "loss_scale" and value is None:
+                continue  # the strategy's "not given"
+            section, _, leaf = FLAT_OPTIONS[flat].partition(".")
+            if leaf:
+                nested.setdefault(section, {})[leaf] = value
+            else:
+                nested[section] = value
+        with _named_as_given({FLAT_OPTIONS[k]: k for k in options}):
+            return cls(**nested)
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> PStarConfig:
         """Build a config from a dict or OmegaConf node, validated by OmegaConf's structured schema.
 
-        A misspelled key raises an error that names the key; ``_target_`` (Hydra) is ignored.
+        An unknown key (nested keys too) raises :class:`UnknownOptionError` naming it, its closest accepted
+        name and the accepted keys; ``_target_`` (Hydra) is ignored. The flat keys of earlier releases
+        (``chunk_size``, ``placement: auto``, ``device_memory_limit``, ...) still work, each with a
+        ``DeprecationWarning`` that names its nested key.
         """
         from omegaconf import OmegaConf
-        from omegaconf.errors import ConfigKeyError, ValidationError
+        from omegaconf.errors import ValidationError
 
-        schema = OmegaConf.structured(cls)
-        plain = OmegaConf.to_container(OmegaConf.create(dict(options)), resolve=True) if options else {}
-        assert isinstance(plain, dict)
-        plain.pop("_target_", None)
-        try:
-            merged = OmegaConf.merge(schema, plain)
-        except ConfigKeyError as err:
-            node = schema
-            parts = str(err.full_key).split(".")
-            for part in parts[:-1]:
-                node = node[part]
-            known = sorted(str(k) for k in node.keys())
-            raise ValueError(f"Unknown PatrickStar option '{err.full_key}'. HINT: the options are {known}.") from err
-        except ValidationError as err:
-            raise ValueError(f"Invalid PatrickStar option: {err.msg}") from err
-        obj = OmegaConf.to_object(merged)
+        container = OmegaConf.to_container(OmegaConf.create(dict(options)), resolve=True) if options else {}
+        assert isinstance(container, dict)
+        plain = {str(key): value for key, value in container.items() if key != "_target_"}
+        renames = _nest_flat_keys(plain)
+        with _named_as_given(renames):
+            _check_tree(plain, cls, prefix="")
+            try:
+                merged = OmegaConf.merge(OmegaConf.structured(cls), plain)
+            except ValidationError as err:
+                reason = str(err.msg).splitlines()[0]
+                raise ValueError(f"Invalid PatrickStar option `{err.full_key}`: {reason}.") from None
+            obj = OmegaConf.to_object(merged)
         assert isinstance(obj, cls)
         return obj
+
+
+# ---- the strategy's flat keywords --------------------------------------------------------------------------
+class PStarOptions(TypedDict, total=False):
+    """The flat keywords of ``PatrickStarStrategy(...)``; :data:`FLAT_OPTIONS` says where each one lives."""
+
+    chunk_size: int | str
+    cpu_embedding: bool
+    device_memory_limit: int | str | None
+    host_memory_limit: int | str | None
+    device_memory_fraction: float
+    host_memory_fraction: float
+    placement: Placement | str
+    static_chunk_fraction: float
+    warmup_chunk_fraction: float
+    frozen_master: bool
+    loss_scale: LossScaleConfig | Mapping[str, Any] | None
+    checkpoint: CheckpointFormat | str
+
+
+FLAT_OPTIONS: Mapping[str, str] = {
+    "chunk_size": "chunks.size",
+    "cpu_embedding": "chunks.cpu_embedding",
+    "device_memory_limit": "memory.device_limit",
+    "host_memory_limit": "memory.host_limit",
+    "device_memory_fraction": "memory.device_fraction",
+    "host_memory_fraction": "memory.host_fraction",
+    "placement": "placement.policy",
+    "static_chunk_fraction": "placement.static_chunk_fraction",
+    "warmup_chunk_fraction": "placement.warmup_chunk_fraction",
+    "frozen_master": "mixed_precision.frozen_master",
+    "loss_scale": "mixed_precision.loss_scale",
+    "checkpoint": "checkpoint",
+}
+"""Each flat keyword of the strategy (and flat key of earlier configs) -> its dotted path in PStarConfig."""
+
+
+def check_option_names(names: Iterable[str], *, lightning: Iterable[str] = ()) -> None:
+    """Raise :class:`UnknownOptionError` for the first name that is not a flat option (nor in ``lightning``)."""
+    lightning = sorted(lightning)
+    for name in names:
+        if name in FLAT_OPTIONS or name in lightning:
+            continue
+        hint = f"the options are {sorted(FLAT_OPTIONS)}" + (f"; Lightning's own are {lightning}" if lightning else "")
+        if name in {f.name for f in fields(PStarConfig)}:  # a section: the nested form is a config
+            hint = f"`{name}` is a section of PStarConfig: pass config=PStarConfig({name}=...)"
+            hint += " or use PatrickStarStrategy.from_config"
+        raise _unknown(name, {n: f"`{n}`" for n in [*FLAT_OPTIONS, *lightning]}, hint=hint + ".")
+
+
+def _unknown(key: str, candidates: Mapping[str, str], *, hint: str) -> UnknownOptionError:
+    """The error for an unknown option ``key`` (dotted): ``candidates`` maps accepted names to suggestions."""
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(candidates), n=1)
+    guess = f" (did you mean {candidates[close[0]]}?)" if close else ""
+    return UnknownOptionError(f"Unknown PatrickStar option `{key}`{guess}. HINT: {hint}")
+
+
+def _section(value: object, cls: type[_S], *, name: str) -> _S:
+    """``value`` as a ``cls`` section: an instance, or a mapping of its fields (unknown keys raise)."""
+    if isinstance(value, Mapping):
+        known = sorted(f.name for f in fields(cls))  # type: ignore[arg-type]
+        for key in value:
+            if key not in known:
+                suggestions = {k: f"`{name}.{k}`" for k in known}
+                raise _unknown(f"{name}.{key}", suggestions, hint=f"the options of `{name}` are {known}.")
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise ValueError(f"`{name}` must be a {cls.__name__} or a dict of its options, got {value!r}.")
+    return value
+
+
+def _check_tree(plain: dict[str, Any], cls: type, *, prefix: str) -> None:
+    """Unknown keys and enum values of ``plain`` against ``cls``; enum strings become members in place."""
+    hints = get_type_hints(cls)
+    known = sorted(f.name for f in fields(cls))
+    for key, value in plain.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            suggestions = {k: f"`{prefix}{k}`" for k in known}
+            if not prefix:  # the flat keys of earlier releases are accepted too: point at their new home
+                suggestions.update({k: f"`{k}` (now `{v}`)" for k, v in FLAT_OPTIONS.items() if k != v})
+            where = f"the options of `{prefix[:-1]}` are" if prefix else "the options are"
+            raise _unknown(name, suggestions, hint=f"{where} {known}.")
+        kind = hints[key]
+        if isinstance(kind, type) and is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ValueError(f"`{name}` must be a mapping of its options, got {value!r}.")
+            _check_tree(value, kind, prefix=f"{name}.")
+        elif isinstance(kind, type) and issubclass(kind, _ValueEnum):
+            plain[key] = kind.coerce(value, name=name)
+
+
+def _nest_flat_keys(plain: dict[str, Any]) -> dict[str, str]:
+    """Move the flat keys of earlier releases to their nested place, warning for each; nested -> flat name."""
+    renames: dict[str, str] = {}
+    for flat, path in FLAT_OPTIONS.items():
+        if flat == path or flat not in plain or (flat == "placement" and isinstance(plain[flat], dict)):
+            continue
+        section, _, leaf = path.partition(".")
+        value = plain.pop(flat)
+        target = plain.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ValueError(f"`{section}` must be a mapping of its options, got {target!r}.")
+        if leaf in target:
+            raise ValueError(f"PatrickStar option `{path}` is given twice: as `{path}` and as `{flat}`.")
+        target[leaf] = value
+        renames[path] = flat
+        warnings.warn(
+            f"The flat PatrickStar option `{flat}` is deprecated: write `{path}` instead"
+            " (configs/strategy/patrickstar.yaml shows every option in its nested place).",
+            DeprecationWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+    return renames
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith("lightning_pstar"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+@contextmanager
+def _named_as_given(renames: Mapping[str, str]) -> Iterator[None]:
+    """Errors inside name each option as the user wrote it: ``renames`` maps nested paths to flat names."""
+    try:
+        yield
+    except ValueError as err:
+        message = str(err)
+        for path, flat in renames.items():
+            if path != flat:
+                message = message.replace(f"`{path}`", f"`{flat}`").replace(f"`{path}.", f"`{flat}.")
+        err.args = (message,)
+        raise

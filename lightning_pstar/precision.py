@@ -20,13 +20,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pstar.config import LossScaleConfig
+from lightning_pstar.config import SUPPORTED_PRECISIONS, LossScaleConfig
 from lightning_pstar.optim import ChunkedOptimizer
 
 __all__ = ["PatrickStarPrecision", "SUPPORTED_PRECISIONS"]
 
-_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "32-true": torch.float32}
-SUPPORTED_PRECISIONS: tuple[str, ...] = tuple(_DTYPES)
+_DTYPES = dict(zip(SUPPORTED_PRECISIONS, (torch.float16, torch.bfloat16, torch.float32), strict=True))
 
 
 class LossScaleUnderflowError(RuntimeError):
@@ -120,9 +119,13 @@ class PatrickStarPrecision(Precision):
         policy = chunked.gradient_policy
         policy.inv_scale = 1.0 / self.scale
         policy.check_finite = self.uses_loss_scaling
-        policy.clip_norm = None
-        policy.clip_value = None
-        result = super().optimizer_step(chunked, model=model, closure=closure, **kwargs)
+        # clipping is set by `clip_gradients`: inside the closure under automatic optimization, before
+        # `opt.step()` under manual optimization; it applies to this step only
+        try:
+            result = super().optimizer_step(chunked, model=model, closure=closure, **kwargs)
+        finally:
+            policy.clip_norm = None
+            policy.clip_value = None
         if self.uses_loss_scaling:
             self._update_scale(chunked.last_step.skipped)
         return result

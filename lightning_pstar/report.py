@@ -5,7 +5,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["MemoryReport"]
+__all__ = ["MemoryReport", "format_bytes"]
+
+_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_bytes(n: int | None, *, exact: bool = False) -> str:
+    """The one byte formatter: ``"1.50 MiB"``; ``exact`` (error messages) adds the count:
+    ``"1,572,864 bytes (1.50 MiB)"``; None reads "unlimited"."""
+    if n is None:
+        return "unlimited"
+    human = f"{n} B"
+    for unit, size in _UNITS:
+        if abs(n) >= size:
+            human = f"{n / size:.2f} {unit}"
+            break
+    return f"{n:,} bytes ({human})" if exact else human
 
 
 @dataclass(kw_only=True)
@@ -24,12 +39,13 @@ class MemoryReport:
     peak_device_chunk_bytes: int
     h2d_bytes: int
     d2h_bytes: int
-    evictions: int
+    evictions: int  # param chunks moved off the device because the budget needed their room
     device_memory_limit: int | None
     host_memory_limit: int | None
     optimizer_tier: str  # where the optimizer step runs, per chunk family
     placement: str = "static"
     prefetches: int = 0  # chunks fetched ahead of their moment
+    moves_off_device: int = 0  # every chunk move from the device to the host (evictions, offloaded steps, ...)
     peak_non_model_bytes: int = 0  # warm-up peak of non-model memory on the device
     moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
     moment_device_chunk_bytes: list[int] = field(default_factory=list)  # per moment, last iteration seen
@@ -67,7 +83,8 @@ class MemoryReport:
             ("host budget", fmt(self.host_memory_limit)),
             ("host -> device", fmt(self.h2d_bytes)),
             ("device -> host", fmt(self.d2h_bytes)),
-            ("evictions", str(self.evictions)),
+            ("evictions (budget)", str(self.evictions)),
+            ("moves off the device", str(self.moves_off_device)),
             ("prefetches", str(self.prefetches)),
             ("placement", self.placement),
             ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),

@@ -10,7 +10,7 @@ engine: parameters live in chunks (:mod:`lightning_pstar.runtime.manager`), hook
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -20,40 +20,116 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from typing_extensions import override
+from torch.optim import Optimizer
+from typing_extensions import Unpack, override
 
-from lightning_pstar.checkpoint.io import (
+from lightning_pstar.checkpoint import (
+    INFO_KEY,
     SHARDED_KEY,
     CheckpointError,
-    SafeCheckpointIO,
+    full_state_dict,
+    is_sharded_checkpoint,
+    load_checkpoint_file,
+    load_full_state_dict,
+    load_owned_tensors,
+    owned_tensors,
+    read_sharded_meta,
     read_sharded_tensors,
+    remove_checkpoint_path,
+    restore_module,
+    save_checkpoint_file,
+    sharded_info,
+    sharded_meta,
     stored_keys,
     write_sharded,
 )
-from lightning_pstar.runtime.manager import ChunkManager
-from lightning_pstar.runtime.comm import ChunkComm
-from lightning_pstar.config import LossScaleConfig, PStarConfig
-from lightning_pstar.runtime.hooks import ModelHooks
+from lightning_pstar.config import PStarConfig, PStarOptions, check_option_names
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
+from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.hooks import ModelHooks
+from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.state import MicroBatch
 
-__all__ = ["PatrickStarStrategy"]
+__all__ = ["PatrickStarStrategy", "SafeCheckpointIO"]
 
 log = logging.getLogger(__name__)
 
-_D = PStarConfig()  # the defaults, stated once in config.py
+# Lightning's own constructor arguments, suggested when one of them is misspelled
+_LIGHTNING_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+)
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch checkpoint IO with atomic writes and clear errors on unreadable files.
+
+    A process killed in the middle of a save leaves the previous checkpoint intact, and a sharded checkpoint
+    directory loads as its checkpoint dict (the tensors stay in the store); see :mod:`lightning_pstar.checkpoint`.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
+        save_checkpoint_file(checkpoint, path)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        target = Path(path)
+        if is_sharded_checkpoint(target):
+            return read_sharded_meta(target)
+        return load_checkpoint_file(target, map_location=map_location, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        remove_checkpoint_path(path)
+
+
+def _refuse_shared_parameters(optimizers: Sequence[Optimizer], module: nn.Module | None) -> None:
+    """Each optimizer steps and zeroes only its own parameters, so one parameter in two optimizers would be
+    stepped twice: refused with its name (torch itself only refuses duplicates within one optimizer)."""
+    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+    first: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                other = first.setdefault(id(p), index)
+                if other != index:
+                    raise ValueError(
+                        f"Parameter '{names.get(id(p), tuple(p.shape))}' is in optimizer {other} and optimizer"
+                        f" {index} returned by `configure_optimizers`. HINT: give each parameter to exactly one"
+                        " optimizer."
+                    )
 
 
 class PatrickStarStrategy(DDPStrategy):
     """Train models larger than the accelerator's memory with chunk-based memory management.
 
-    Every option is a field of :class:`~lightning_pstar.config.PStarConfig` (documented there); pass them
-    as keywords or as one ``config``. The remaining arguments are Lightning's own.
+    The PatrickStar options are flat keywords (``chunk_size``, ``placement``, ``device_memory_limit``, ... see
+    :class:`~lightning_pstar.config.PStarOptions`; each is documented at its field of
+    :class:`~lightning_pstar.config.PStarConfig`, :data:`~lightning_pstar.config.FLAT_OPTIONS` says which), or one
+    ``config``, never both. A misspelled keyword raises :class:`~lightning_pstar.config.UnknownOptionError`
+    naming the closest option. The remaining arguments are Lightning's own.
     """
 
     strategy_name = "patrickstar"
@@ -61,18 +137,6 @@ class PatrickStarStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        chunk_size: int | str = _D.chunk_size,
-        placement: str = _D.placement,
-        device_memory_limit: int | str | None = _D.device_memory_limit,
-        host_memory_limit: int | str | None = _D.host_memory_limit,
-        device_memory_fraction: float = _D.device_memory_fraction,
-        host_memory_fraction: float = _D.host_memory_fraction,
-        static_chunk_fraction: float = _D.static_chunk_fraction,
-        warmup_chunk_fraction: float = _D.warmup_chunk_fraction,
-        cpu_embedding: bool = _D.cpu_embedding,
-        checkpoint: str = _D.checkpoint,
-        frozen_master: bool = _D.frozen_master,
-        loss_scale: LossScaleConfig | Mapping[str, Any] | None = None,
         config: PStarConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -82,25 +146,10 @@ class PatrickStarStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Unpack[PStarOptions],
     ) -> None:
-        if config is None:
-            config = PStarConfig(
-                chunk_size=chunk_size,
-                placement=placement,
-                device_memory_limit=device_memory_limit,
-                host_memory_limit=host_memory_limit,
-                device_memory_fraction=device_memory_fraction,
-                host_memory_fraction=host_memory_fraction,
-                static_chunk_fraction=static_chunk_fraction,
-                warmup_chunk_fraction=warmup_chunk_fraction,
-                cpu_embedding=cpu_embedding,
-                checkpoint=checkpoint,
-                frozen_master=frozen_master,
-                loss_scale=LossScaleConfig(**loss_scale)
-                if isinstance(loss_scale, Mapping)
-                else (loss_scale or LossScaleConfig()),
-            )
-        self.config = config
+        # every check runs before anything is set: a bad option leaves no half-built strategy behind
+        self.config = self._resolve_config(config, options)
         self._manager: ChunkManager | None = None
         self._hooks: ModelHooks | None = None
         self._final_report: MemoryReport | None = None
@@ -116,17 +165,38 @@ class PatrickStarStrategy(DDPStrategy):
             start_method=start_method,
         )
 
+    @staticmethod
+    def _resolve_config(config: PStarConfig | None, options: PStarOptions) -> PStarConfig:
+        # `**options` catches every other keyword only to name a misspelled one (ours or Lightning's)
+        check_option_names(options, lightning=_LIGHTNING_ARGUMENTS)
+        if config is None:
+            return PStarConfig.from_flat(**options)
+        if not isinstance(config, PStarConfig):
+            raise ValueError(
+                f"`config` must be a PStarConfig, got {type(config).__name__}."
+                " HINT: build the strategy from a dict or OmegaConf node with PatrickStarStrategy.from_config(...)."
+            )
+        if options:
+            raise ValueError(
+                f"PatrickStarStrategy got `config=` together with {sorted(options)}; the config would silently"
+                " win. HINT: set them in the config (for example PStarConfig.from_flat(...) or dataclasses.replace)"
+                " or pass keywords only."
+            )
+        return config
+
     @classmethod
-    def from_config(cls, options: Mapping[str, Any], **lightning_args: Any) -> PatrickStarStrategy:
-        """Build the strategy from a dict or OmegaConf node (e.g. a Hydra group); unknown keys raise."""
-        return cls(config=PStarConfig.from_mapping(options), **lightning_args)
+    def from_config(cls, options: Mapping[str, Any] | PStarConfig, **lightning_args: Any) -> PatrickStarStrategy:
+        """Build the strategy from a dict or OmegaConf node (e.g. a Hydra group) with the nested keys of
+        :class:`~lightning_pstar.config.PStarConfig`, or from a ``PStarConfig``; unknown keys raise."""
+        config = options if isinstance(options, PStarConfig) else PStarConfig.from_mapping(options)
+        return cls(config=config, **lightning_args)
 
     # ---- precision ------------------------------------------------------------------------------------
     @property
     def precision_plugin(self) -> PatrickStarPrecision:
         plugin = self._precision_plugin
         if not isinstance(plugin, PatrickStarPrecision):
-            plugin = PatrickStarPrecision.from_plugin(plugin or Precision(), self.config.loss_scale)
+            plugin = PatrickStarPrecision.from_plugin(plugin or Precision(), self.config.mixed_precision.loss_scale)
             self._precision_plugin = plugin
         return plugin
 
@@ -135,7 +205,7 @@ class PatrickStarStrategy(DDPStrategy):
         # Lightning hands over a generic plugin for `Trainer(precision=...)`: convert it (and reject
         # unsupported precisions such as 64-true here, before anything is set up)
         self._precision_plugin = (
-            None if plugin is None else PatrickStarPrecision.from_plugin(plugin, self.config.loss_scale)
+            None if plugin is None else PatrickStarPrecision.from_plugin(plugin, self.config.mixed_precision.loss_scale)
         )
 
     # ---- distributed ----------------------------------------------------------------------------------
@@ -206,6 +276,7 @@ class PatrickStarStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         manager = self._require_manager()
+        _refuse_shared_parameters(self.optimizers, self.lightning_module)
         self.optimizers = [ChunkedOptimizer(opt, manager) for opt in self.optimizers]
 
     @override
@@ -239,8 +310,7 @@ class PatrickStarStrategy(DDPStrategy):
 
     def _leave_training(self) -> None:
         if self._manager is not None:
-            self._manager.in_training = False
-            self._manager.settle()
+            self._manager.end_training()
 
     @contextmanager
     def _eval_pass(self) -> Generator[None, None, None]:
@@ -284,11 +354,11 @@ class PatrickStarStrategy(DDPStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         # Lightning enters this for every micro-batch that only accumulates gradients
         manager = self._require_manager()
-        manager.accumulating = True
+        manager.micro_batch = MicroBatch.ACCUMULATING
         try:
             yield
         finally:
-            manager.accumulating = False
+            manager.micro_batch = MicroBatch.FINAL
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -298,7 +368,7 @@ class PatrickStarStrategy(DDPStrategy):
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self._manager is not None:
-            self._manager.settle()
+            self._manager.finish_backward()
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     @property
@@ -312,7 +382,7 @@ class PatrickStarStrategy(DDPStrategy):
         if self._sharded:
             # the weights go to the sharded store; the checkpoint dict keeps the buffers
             return {k: v.detach().cpu() for k, v in self._manager.module.named_buffers()}
-        return self._manager.full_state_dict(rank0_only=True)
+        return full_state_dict(self._manager, rank0_only=True)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -328,18 +398,12 @@ class PatrickStarStrategy(DDPStrategy):
         if not self._sharded or self._manager is None:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        manager = self._manager
-        tensors = manager.owned_tensors()
+        tensors = owned_tensors(self._manager)
         for k, opt in enumerate(self.optimizers):
             inner = getattr(opt, "_optimizer", opt)
             if isinstance(inner, ChunkedOptimizer):
                 tensors.update(inner.owned_state_tensors(f"optim/{k}/"))
-        meta = dict(checkpoint)
-        info = manager.sharded_info()
-        info["param_groups"] = [state["param_groups"] for state in checkpoint.get("optimizer_states", [])]
-        meta[SHARDED_KEY + "_info"] = info
-        meta[SHARDED_KEY] = True
-        meta["optimizer_states"] = []
+        meta = sharded_meta(checkpoint, sharded_info(self._manager))
         write_sharded(Path(filepath), meta=meta, tensors=tensors, rank=self.global_rank, barrier=self.barrier)
 
     @override
@@ -357,12 +421,14 @@ class PatrickStarStrategy(DDPStrategy):
         try:
             if checkpoint.get(SHARDED_KEY):
                 path = Path(checkpoint[SHARDED_KEY])
-                stored = stored_keys(path)
-                self._manager.load_owned_tensors(
-                    stored, lambda wanted: read_sharded_tensors(path, wanted), checkpoint.get("state_dict", {})
+                load_owned_tensors(
+                    self._manager,
+                    stored_keys(path),
+                    lambda wanted: read_sharded_tensors(path, wanted),
+                    checkpoint.get("state_dict", {}),
                 )
                 return
-            self._manager.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+            load_full_state_dict(self._manager, checkpoint["state_dict"], strict=strict)
         except (KeyError, ValueError) as err:
             message = err.args[0] if err.args else str(err)
             raise CheckpointError(f"cannot load '{source}': {message}") from err
@@ -374,7 +440,7 @@ class PatrickStarStrategy(DDPStrategy):
             return
         path = Path(checkpoint[SHARDED_KEY])
         stored = stored_keys(path)
-        groups = checkpoint[SHARDED_KEY + "_info"]["param_groups"]
+        groups = checkpoint[INFO_KEY]["param_groups"]
         for k, opt in enumerate(self.optimizers):
             inner = getattr(opt, "_optimizer", opt)
             if isinstance(inner, ChunkedOptimizer):
@@ -427,7 +493,7 @@ class PatrickStarStrategy(DDPStrategy):
             self._final_report = self._manager.memory_report()
             chunked = [opt for opt in self.optimizers if isinstance(opt, ChunkedOptimizer)]
             states = [opt.state_dict() for opt in chunked]
-            self._manager.restore_module(torch.device("cpu"))
+            restore_module(self._manager, torch.device("cpu"))
             self._manager = None
             for opt, state in zip(chunked, states, strict=True):
                 opt.user_optimizer.load_state_dict(state)

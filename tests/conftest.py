@@ -37,7 +37,7 @@ def seed_everything() -> None:
 
     Thread counts stay at their defaults: the CPU kernels used here are deterministic for a fixed
     thread count, which is what the bitwise comparisons inside one test rely on. Tests that build
-    models seed again right before construction (``helpers.build_model``).
+    models seed again right before construction (``tests.helpers.models.build_model``).
     """
     random.seed(0)
     torch.manual_seed(0)

@@ -1,25 +1,66 @@
-"""Checkpoints: crash-safe files, sharded stores (torch.distributed.checkpoint), model and optimizer state."""
+"""Checkpoints: crash-safe files, sharded stores (torch.distributed.checkpoint), model and optimizer state.
 
+- ``io``: atomic writes and loads whose errors name the file (the Lightning ``CheckpointIO`` built on them
+  lives in ``strategy.py``);
+- ``sharded``: the directory every rank writes in parallel, and ``consolidate`` (``cli``: its command);
+- ``model_state``: consolidated and sharded model state over the manager's parameter table.
+
+Consolidated checkpoints are ordinary Lightning checkpoints (the model's own parameter names, fp32 weights,
+torch's optimizer layout), gathered family by family to rank 0.
+"""
+
+from lightning_pstar.checkpoint.cli import main
 from lightning_pstar.checkpoint.io import (
-    META_FILENAME,
     CheckpointError,
-    SafeCheckpointIO,
+    load_checkpoint_file,
+    remove_checkpoint_path,
+    save_checkpoint_file,
+)
+from lightning_pstar.checkpoint.model_state import (
+    family_values,
+    full_state_dict,
+    load_full_state_dict,
+    load_owned_tensors,
+    master_view,
+    owned_tensors,
+    restore_module,
+    sharded_info,
+)
+from lightning_pstar.checkpoint.sharded import (
+    INFO_KEY,
+    META_FILENAME,
+    SHARDED_KEY,
     consolidate,
     is_sharded_checkpoint,
-    main,
     read_sharded_meta,
     read_sharded_tensors,
+    sharded_meta,
+    stored_keys,
     write_sharded,
 )
 
 __all__ = [
+    "INFO_KEY",
     "META_FILENAME",
+    "SHARDED_KEY",
     "CheckpointError",
-    "SafeCheckpointIO",
     "consolidate",
+    "family_values",
+    "full_state_dict",
     "is_sharded_checkpoint",
+    "load_checkpoint_file",
+    "load_full_state_dict",
+    "load_owned_tensors",
     "main",
+    "master_view",
+    "owned_tensors",
     "read_sharded_meta",
     "read_sharded_tensors",
+    "remove_checkpoint_path",
+    "restore_module",
+    "save_checkpoint_file",
+    "sharded_info",
+    "sharded_meta",
+    "stored_keys",
     "write_sharded",
 ]

@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ALIGN", "ChunkPlan", "Layout", "ParamSpec", "plan_layout", "search_chunk_size"]
+__all__ = ["ALIGN", "ChunkPlan", "Layout", "ParamSpec", "group_of", "owner_of", "plan_layout", "search_chunk_size"]
 
 ALIGN = 8
 """Slot offsets are multiples of 8 elements (16 bytes in half precision, 32 in fp32) so every parameter
@@ -19,6 +19,16 @@ _MAX_CANDIDATES = 512
 """How many chunk sizes the "auto" search evaluates."""
 _MIN_GROUPS = 4
 """The "auto" search keeps at least this many chunk groups, so placement has units to move."""
+
+
+def owner_of(chunk_id: int, world_size: int) -> int:
+    """The rank that owns chunk ``chunk_id``."""
+    return chunk_id % world_size
+
+
+def group_of(chunk_id: int, world_size: int) -> int:
+    """The communication group of chunk ``chunk_id``."""
+    return chunk_id // world_size
 
 
 def _align(n: int) -> int:

@@ -70,7 +70,8 @@ class TransferStats:
 
     h2d_bytes: int = 0
     d2h_bytes: int = 0
-    evictions: int = 0
+    evictions: int = 0  # param chunks moved off the device because the budget needed their room
+    moves_off_device: int = 0  # every chunk move from the device to the host, for any reason
     prefetches: int = 0
     per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0})
     peak_device_bytes: int = 0
@@ -215,6 +216,7 @@ class Chunk:
             self._stats.h2d_bytes += self.nbytes
         else:
             self._stats.d2h_bytes += self.nbytes
+            self._stats.moves_off_device += 1
         self._tier = tier
 
     def wait(self) -> None:

@@ -14,17 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pstar.planning.layout import group_of, owner_of
+
 __all__ = ["ChunkComm", "group_of", "owner_of"]
-
-
-def owner_of(chunk_id: int, world_size: int) -> int:
-    """The rank that owns chunk ``chunk_id``."""
-    return chunk_id % world_size
-
-
-def group_of(chunk_id: int, world_size: int) -> int:
-    """The communication group of chunk ``chunk_id``."""
-    return chunk_id // world_size
 
 
 class ChunkComm:

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from lightning_pstar.runtime.chunk import ChunkKind
-from lightning_pstar.runtime.manager import ChunkManager, ParamRecord
-from lightning_pstar.runtime.tracer import MomentKind
+from lightning_pstar.runtime.family import ParamRecord
+from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import TensorState
 
 __all__ = ["ModelHooks"]
@@ -195,12 +195,12 @@ class ModelHooks:
             yield
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        by_id = self.manager._by_id
-        record = by_id.get(id(tensor))
+        lookup = self.manager.lookup
+        record = lookup(tensor)
         owner: torch.Tensor | None = tensor
         if record is None:
             owner = tensor._base
-            record = by_id.get(id(owner)) if owner is not None else None
+            record = lookup(owner) if owner is not None else None
         if record is not None and record.param is owner:
             packed = self._pack_weight(record, tensor)
             if packed is not None:
@@ -213,7 +213,7 @@ class ModelHooks:
         manager = self.manager
         if record.slot.state is TensorState.COMPUTE:
             return None  # its module computes: the module's own hooks bring it back (storage identity)
-        if manager.groups is not None:
+        if manager.sharding.distributed:
             names = ", ".join(f"'{n}'" for n in record.names)
             raise RuntimeError(
                 f"Parameter {names} is used outside the module that owns it (e.g. `F.linear(x,"
@@ -223,7 +223,7 @@ class ModelHooks:
                 " and call `head(x)`), or train on one rank."
             )
         chunk = record.family.param_chunk
-        if record.slot_holds_grad or tensor.dtype != chunk.dtype:
+        if record.grad_in_param_slot or tensor.dtype != chunk.dtype:
             return None  # not a view of the param chunk (the parameter reads its master now)
         return _SavedWeight(
             record=record,
@@ -253,7 +253,7 @@ class ModelHooks:
             )
         family = record.family
         slot = record.slot
-        if record.slot_holds_grad:
+        if record.grad_in_param_slot:
             # the gradient is final already (a graph run backward twice): the weight is the fp32 master's
             master = family.chunks[ChunkKind.MASTER].slot_view(slot).reshape(-1)
             flat = master.to(device=manager.device, dtype=packed.dtype)
@@ -269,13 +269,10 @@ class ModelHooks:
     # ---- factories (closures keep the per-module record list; nothing is stored on the module) --------
     def _make_pre_forward(self, index: int, records: Sequence[ParamRecord]) -> Any:
         manager = self.manager
-        moment = (MomentKind.FORWARD, index)
 
         def pre_forward(module: nn.Module, args: Any) -> None:
-            grad_enabled = torch.is_grad_enabled()
-            at = moment if grad_enabled else None
-            _traced("pstar::pre_forward", manager.access, records, TensorState.COMPUTE, at)
-            if grad_enabled:
+            _traced("pstar::pre_forward", manager.pre_forward, records, index)
+            if torch.is_grad_enabled():
                 inputs = _grad_tensors(args)
                 if inputs:
                     # fires once the module's backward has produced the gradient of its inputs: its
@@ -286,19 +283,16 @@ class ModelHooks:
 
     def _make_post_forward(self, index: int, records: Sequence[ParamRecord]) -> Any:
         manager = self.manager
-        moment = (MomentKind.BACKWARD, index)
 
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
+            manager.post_forward(records, index, backward_follows=bool(outputs))
             if outputs:
-                manager.release(records, TensorState.HOLD_AFTER_FWD)
 
                 def pre_backward() -> None:
-                    _traced("pstar::pre_backward", manager.access, records, TensorState.COMPUTE, moment)
+                    _traced("pstar::pre_backward", manager.pre_backward, records, index)
 
                 self._register(outputs, pre_backward)
-            else:
-                manager.release(records, TensorState.HOLD)
 
         return post_forward
 

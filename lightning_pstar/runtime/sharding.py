@@ -14,18 +14,23 @@ experts on each rank, and a rank may skip an expert that another rank runs. A co
 with a different collective of the peer and exchange the wrong chunks. So every collective is issued at a
 point every rank reaches, in an order every rank computes the same way:
 
-- a pass *sweeps* the groups in a fixed order: ascending in forward, and in backward the reverse of the
-  forward's gathers (the tied embedding the head used last comes first). A module that needs group *g*
-  ahead of the sweep's cursor advances the cursor to *g*, gathering every group on the way: a rank that
-  skipped an expert still gathers that expert's group when it moves past it, at the same position in its
-  sequence as the rank that ran the expert;
+- a pass *sweeps* the groups in a fixed order: in forward the order in which the module tree first uses
+  them (:func:`sweep_plan`; a frozen embedding whose chunks the layout puts last is still swept first), and
+  in backward the reverse of the forward's gathers (the tied embedding the head used last comes first). A
+  module that needs group *g* ahead of the sweep's cursor advances the cursor to *g*, gathering every group
+  on the way: a rank that skipped an expert still gathers that expert's group when it moves past it, at the
+  same position in its sequence as the rank that ran the expert;
+- before that, a module's forward advances the sweep to the module's own place in the tree (the last group
+  any module up to it first uses), so everything it does next starts at the same position on every rank,
+  whichever modules a rank skipped before it;
 - at the end of a pass (backward start, end of backward, end of an evaluation step) the sweep catches up
   to the last group, so a group only the last modules of one rank needed is gathered everywhere;
 - a group is released when the sweep has passed it and no slot in it computes (in backward, nor waits for
   a gradient), so which groups are present -- and so whether a group needs a gather -- is the same on
   every rank for every group the sweep has not passed. A group needed again after the sweep passed it
-  (the tied head in forward) is gathered out of order; that is safe as long as every rank needs it again
-  (a module run a second time out of order on some ranks only is not supported);
+  (the tied head in forward) is gathered out of order, at the module's place in the sweep: safe when every
+  rank runs that module (a module run on some ranks only that reuses a group the sweep passed is not
+  supported);
 - gradients: at every sweep step of the backward the ranks start agreeing (one asynchronous
   ``all_reduce(MIN)`` of a flag per group) which groups are complete on every rank, and at the next step
   start reduce-scattering those (asynchronously too: the owners average them into their chunks once the
@@ -39,38 +44,109 @@ point every rank reaches, in an order every rank computes the same way:
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from enum import Enum
+from typing import Any
 
 import torch
 
-from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.comm import ChunkComm, group_of, owner_of
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.grads import GradStore
+from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import TensorState, Tier
 
-if TYPE_CHECKING:
-    from lightning_pstar.runtime.manager import ChunkFamily, ChunkManager, ParamRecord
-
-__all__ = ["GroupCoordinator"]
+__all__ = ["GroupCoordinator", "LocalSharding", "Sharding", "Sweep", "make_sharding"]
 
 log = logging.getLogger(__name__)
+
+
+class Sweep(str, Enum):
+    """Where the sweep over chunk groups is ([Note: one collective sequence on every rank])."""
+
+    IDLE = "idle"
+    """No pass is under way: every remote chunk is released."""
+    FORWARD = "forward"
+    """A forward pass sweeps the groups in ascending order."""
+    BACKWARD = "backward"
+    """The backward sweeps them in the reverse order of the forward's gathers and reduces gradients."""
+
+
+class LocalSharding:
+    """The one-rank case as a null object: this rank owns every family, nothing is gathered or reduced,
+    gradients go straight to the chunks."""
+
+    distributed = False
+    gathers = 0
+    prefetches = 0
+
+    def __init__(self, grads: GradStore) -> None:
+        self.grads = grads
+
+    def owns(self, family: ChunkFamily) -> bool:
+        return True
+
+    def start(self, records: Sequence[ParamRecord], layout: tuple[int, int, int, int], detail: str) -> None:
+        """Setup: nothing to agree on with peers."""
+
+    def begin_pass(self) -> None: ...
+
+    def begin_backward(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def ensure_gathered(
+        self, families: list[ChunkFamily], protect: set[int], *, in_backward: bool, module: int | None = None
+    ) -> None: ...
+
+    def release_passed(self) -> None: ...
+
+    def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
+        self.grads.store_local(record, grad)
+
+    def plan_prefetch(self, fits_here: bool) -> bool:
+        return False
+
+    def group_bytes(self) -> int:
+        return 0
+
+    def discard(self) -> None: ...
+
+    def point_at_poison(self, record: ParamRecord) -> None:  # pragma: no cover - every family is owned here
+        raise AssertionError("one rank owns every chunk")
 
 
 class GroupCoordinator:
     """Gathers, releases and reduces the chunk groups of one chunk manager."""
 
-    def __init__(self, manager: ChunkManager, comm: ChunkComm) -> None:
-        self.manager = manager
+    distributed = True
+
+    def __init__(
+        self,
+        families: list[ChunkFamily],
+        comm: ChunkComm,
+        *,
+        residency: Residency,
+        grads: GradStore,
+        compute_dtype: torch.dtype,
+        module_groups: Sequence[Iterable[int]] = (),
+    ) -> None:
+        self.families = families
+        self.residency = residency
+        self.grads = grads
+        self.compute_dtype = compute_dtype
+        self.device = residency.device
         self.comm = comm
         self.world_size = comm.world_size
         self.rank = comm.rank
         self.gathered: set[int] = set()  # groups whose remote param chunks are present locally
         self.inflight: dict[int, Any] = {}  # group -> work of an asynchronous gather (prefetch)
-        self.pinned: set[int] = set()  # families whose param chunk is the send buffer of an in-flight gather
+        self.pinned = residency.pinned  # families whose param chunk is the send buffer of an in-flight gather
         self.prefetch_enabled = False  # agreed by every rank after the warm-up (plan_prefetch)
         # the sweep (see the note above)
-        self.active = False  # a pass is under way
-        self.backward = False  # ... and it is in its backward
+        self.sweep = Sweep.IDLE
         self.order: list[int] = []
         self.position: dict[int, int] = {}
         self.cursor = -1  # index in ``order`` of the last group the sweep reached
@@ -83,31 +159,32 @@ class GroupCoordinator:
         self.agreement: tuple[list[int], torch.Tensor, Any] | None = None  # groups, complete flags, work
         self.reducing: list[tuple[int, Any, torch.Tensor, list[torch.Tensor]]] = []  # group, work, output, inputs
         self._poison: dict[torch.dtype, torch.Tensor] = {}
+        self.forward_order, self.module_position = sweep_plan(module_groups, len(families) // self.world_size)
         # counters (memory report, tests)
         self.gathers = 0
         self.prefetches = 0
 
     # ---- ownership --------------------------------------------------------------------------------------
     def owns(self, family: ChunkFamily) -> bool:
-        return family.family_id % self.world_size == self.rank
+        return owner_of(family.family_id, self.world_size) == self.rank
 
     def group_of(self, family: ChunkFamily) -> int:
-        return family.family_id // self.world_size
+        return group_of(family.family_id, self.world_size)
 
     def members(self, group: int) -> list[ChunkFamily]:
         start = group * self.world_size
-        return self.manager.families[start : start + self.world_size]
+        return self.families[start : start + self.world_size]
 
     def num_groups(self) -> int:
-        return len(self.manager.families) // self.world_size
+        return len(self.families) // self.world_size
 
     # ---- parameters of released chunks ------------------------------------------------------------------
     def point_at_poison(self, record: ParamRecord) -> None:
         """A released remote chunk has no bytes here: its parameters read as NaN (never as stale weights)."""
-        dtype = self.manager.compute_dtype
+        dtype = self.compute_dtype
         poison = self._poison.get(dtype)
         if poison is None:
-            poison = torch.full((1,), float("nan"), dtype=dtype, device=self.manager.device)
+            poison = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
             self._poison[dtype] = poison
         record.param.data = poison.expand(record.slot.shape)
 
@@ -116,22 +193,21 @@ class GroupCoordinator:
         self.order = list(order)
         self.position = {g: i for i, g in enumerate(self.order)}
         self.cursor = -1
-        self.backward = backward
-        self.active = True
+        self.sweep = Sweep.BACKWARD if backward else Sweep.FORWARD
 
     def begin_pass(self) -> None:
         """Every rank starts a forward pass (a training micro-batch, an evaluation step)."""
         self.flush()
         self.forward_gathers = []
-        self._start_sweep(range(self.num_groups()), backward=False)
+        self._start_sweep(self.forward_order, backward=False)
         self._prefetch_next(set())  # the first group, while the step's loose ends finish
 
     def begin_backward(self) -> None:
         """Every rank starts the backward of the pass: the forward sweep catches up, and the backward sweep
         runs in the reverse order of the forward's gathers."""
-        if self.backward:
+        if self.sweep is Sweep.BACKWARD:
             return
-        if not self.active:
+        if self.sweep is Sweep.IDLE:
             self.begin_pass()
         self._sweep_to(len(self.order) - 1, protect=set())
         self.release_passed()
@@ -155,35 +231,42 @@ class GroupCoordinator:
     def flush(self) -> None:
         """End of a pass: catch the sweep up (collectives a peer may need), reduce every group not reduced
         yet (parameters without a gradient on some rank), release every remote chunk."""
-        if self.active:
+        if self.sweep is not Sweep.IDLE:
             self._sweep_to(len(self.order) - 1, protect=set())
-            if self.backward:
+            if self.sweep is Sweep.BACKWARD:
                 self._act_on_agreement()
                 for group in sorted(self.waiting):
                     if group not in self.reduced:
                         self.reduce_group(group)
                 self._store_reduced(block=True)
-        self.active = False
-        self.backward = False
+        self.sweep = Sweep.IDLE
         self.waiting.clear()
         self.reduced.clear()
         self.release_all()
 
     # ---- forward / backward access ----------------------------------------------------------------------
-    def ensure_gathered(self, families: list[ChunkFamily], protect: set[int]) -> None:
-        """Make every group of ``families`` present locally (collectives in sweep order, see the note)."""
-        if not self.active:
+    def ensure_gathered(
+        self, families: list[ChunkFamily], protect: set[int], *, in_backward: bool, module: int | None = None
+    ) -> None:
+        """Make every group of ``families`` present locally (collectives in sweep order, see the note).
+
+        ``module`` (the index of the module whose forward needs them) first advances a forward sweep to the
+        module's place in the module tree, so that what happens next (a gather of a group the sweep passed)
+        starts at the same point of the sequence on every rank, whichever modules a rank skipped before."""
+        if self.sweep is Sweep.IDLE:
             self.begin_pass()  # a forward outside the steps Lightning runs (a callback calling the model)
-        if self.manager.in_backward and not self.backward:
+        if in_backward and self.sweep is not Sweep.BACKWARD:
             self.begin_backward()  # a backward not started through the strategy (loss.backward() by hand)
         groups = sorted({self.group_of(f) for f in families}, key=self.position.__getitem__)
         guard = protect | self.pinned | {m.family_id for g in groups for m in self.members(g)}
+        if module is not None and self.sweep is Sweep.FORWARD and self.module_position[module] > self.cursor:
+            self._sweep_to(self.module_position[module], guard)
         for group in groups:
             if self.position[group] > self.cursor:
                 self._sweep_to(self.position[group], guard)
             elif group not in self.gathered:
                 self._gather(group, guard)  # used again after the sweep passed it (a tied head)
-                if self.backward:
+                if self.sweep is Sweep.BACKWARD:
                     self._reduce_complete()
         self.release_passed(keep=set(groups))  # the slots of this access are not marked COMPUTE yet
         self._prefetch_next(guard)
@@ -194,19 +277,19 @@ class GroupCoordinator:
             group = self.order[self.cursor]
             if group not in self.gathered:
                 self._gather(group, protect)
-            if self.backward:
+            if self.sweep is Sweep.BACKWARD:
                 self._reduce_complete()
 
     def _start_gather(self, group: int, protect: set[int]) -> Any:
-        manager = self.manager
+        residency = self.residency
         members = self.members(group)
         own = members[self.rank]
         guard = protect | self.pinned | {f.family_id for f in members}
-        manager.fetch(own, protect=guard)
+        residency.fetch(own, protect=guard)
         for family in members:
             chunk = family.param_chunk
             if family is not own and chunk.tier is not Tier.DEVICE:
-                manager.ensure_device_room(chunk.nbytes, protect=guard)
+                residency.ensure_device_room(chunk.nbytes, protect=guard)
                 chunk.allocate(Tier.DEVICE, zero=False)
         self.pinned.add(own.family_id)  # the send buffer stays in place until the gather is done
         with torch.profiler.record_function("pstar::all_gather"):
@@ -227,9 +310,9 @@ class GroupCoordinator:
         for family in members:
             if family is not members[self.rank]:
                 for record in family.records:
-                    self.manager.point_at_chunk(record)
+                    self.residency.point_at_chunk(record)
         self.gathered.add(group)
-        if not self.backward:
+        if self.sweep is not Sweep.BACKWARD:
             self.forward_gathers.append(group)
 
     def _prefetch_next(self, protect: set[int]) -> None:
@@ -244,7 +327,7 @@ class GroupCoordinator:
 
     def plan_prefetch(self, fits_here: bool) -> bool:
         """After the warm-up: prefetch only if it fits the device budget on every rank (one collective)."""
-        flag = torch.tensor([1 if fits_here else 0], dtype=torch.int32, device=self.manager.device)
+        flag = torch.tensor([1 if fits_here else 0], dtype=torch.int32, device=self.device)
         work = self.comm.start_all_reduce_min(flag)
         if work is not None:
             work.wait()
@@ -259,7 +342,7 @@ class GroupCoordinator:
     def release_passed(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
         # in backward a group also stays while a slot in it waits for its final gradient (a tied weight used
         # again further down), as the original releases a remote chunk
-        pending = TensorState.HOLD_AFTER_FWD if self.backward else TensorState.COMPUTE
+        pending = TensorState.HOLD_AFTER_FWD if self.sweep is Sweep.BACKWARD else TensorState.COMPUTE
         for group in sorted(self.gathered):
             if group in keep or self.position.get(group, -1) >= self.cursor:
                 continue
@@ -294,7 +377,7 @@ class GroupCoordinator:
 
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """Keep a local gradient until its group is complete on every rank (reduced at a sweep step)."""
-        if not self.backward:
+        if self.sweep is not Sweep.BACKWARD:
             self.begin_backward()
         family = record.family
         group = self.group_of(family)
@@ -307,7 +390,7 @@ class GroupCoordinator:
         buf = self.local_grads.get(family.family_id)
         if buf is None:
             size = family.capacity + self._tail(group)
-            buf = torch.zeros(size, dtype=torch.float32, device=self.manager.device)
+            buf = torch.zeros(size, dtype=torch.float32, device=self.device)
             self.local_grads[family.family_id] = buf
         view = buf[record.slot.offset : record.slot.offset + record.slot.numel].view(record.slot.shape)
         slots = self.local_slots.setdefault(family.family_id, set())
@@ -328,9 +411,7 @@ class GroupCoordinator:
         self._act_on_agreement()
         candidates = [g for g in self.waiting if g not in self.reduced]
         if candidates:
-            flags = torch.tensor(
-                [self.waiting[g] == 0 for g in candidates], dtype=torch.uint8, device=self.manager.device
-            )
+            flags = torch.tensor([self.waiting[g] == 0 for g in candidates], dtype=torch.uint8, device=self.device)
             self.agreement = (candidates, flags, self.comm.start_all_reduce_min(flags))
 
     def _act_on_agreement(self) -> None:
@@ -349,7 +430,7 @@ class GroupCoordinator:
         slot's gradient on any rank travels in the same buffer (a slot without one is not stepped, as in torch)."""
         members = self.members(group)
         own = members[self.rank]
-        device = self.manager.device
+        device = self.device
         tail = self._tail(group)
         inputs: list[torch.Tensor] = []
         for family in members:
@@ -369,7 +450,6 @@ class GroupCoordinator:
 
     def _store_reduced(self, *, block: bool) -> None:
         """Average finished reductions into the owners' chunks, oldest first (all of them if ``block``)."""
-        manager = self.manager
         while self.reducing:
             group, work, output, _inputs = self.reducing[0]
             if work is not None:
@@ -383,7 +463,7 @@ class GroupCoordinator:
             for record, flag in zip(own.records, present, strict=True):
                 if flag > 0:
                     slot = record.slot
-                    manager.store_reduced_grad(record, output[slot.offset : slot.offset + slot.numel])
+                    self.grads.store(record, output[slot.offset : slot.offset + slot.numel])
 
     def discard(self) -> None:
         """Forget local gradients that were never reduced (zero_grad before a step)."""
@@ -393,3 +473,64 @@ class GroupCoordinator:
         self.local_slots.clear()
         self.waiting.clear()
         self.reduced.clear()
+
+    # ---- setup -------------------------------------------------------------------------------------------
+    def start(self, records: Sequence[ParamRecord], layout: tuple[int, int, int, int], detail: str) -> None:
+        """Setup, before any chunk exists: every rank must have built the same model (``layout``: parameters,
+        elements, chunk size, families; ``detail``: names, shapes, trainability), and as DDP does every rank
+        starts from rank 0's weights (meta-initialised ones come from their owner)."""
+        mine = (*layout, hashlib.sha1(detail.encode()).hexdigest())  # a digest: hash() differs per process
+        every = self.comm.all_gather_object(mine)
+        for rank, theirs in enumerate(every):
+            if theirs != mine:
+                raise ValueError(
+                    f"The model differs between ranks: rank {self.rank} has {mine[0]} parameters with"
+                    f" {mine[1]:,} elements in {mine[3]} chunks of {mine[2]:,}, rank {rank} has {theirs[0]}"
+                    f" parameters with {theirs[1]:,} elements in {theirs[3]} chunks of {theirs[2]:,}"
+                    " (or other names/shapes). HINT: build the same model on every rank (same config, same"
+                    " frozen parameters) and set chunk_size explicitly if the device budgets differ."
+                )
+        with torch.no_grad():
+            for record in records:
+                if not record.param.is_meta:
+                    self.comm.broadcast_(record.param.data, src=0)
+
+
+def sweep_plan(module_groups: Sequence[Iterable[int]], num_groups: int) -> tuple[list[int], list[int]]:
+    """The forward sweep's order and each module's place in it, from the module tree.
+
+    ``module_groups[i]``: the chunk groups module ``i`` (in module-tree order) computes with. Groups are swept
+    in the order modules first use them (a frozen embedding whose chunks the layout puts last is still swept
+    first); groups no module uses come last. Module ``i``'s place is the last group any module up to ``i``
+    uses first, so that reaching module ``i`` means the same sweep position on every rank."""
+    order: list[int] = []
+    seen: set[int] = set()
+    positions: list[int] = []
+    for groups in module_groups:
+        for group in sorted(groups):
+            if group not in seen:
+                seen.add(group)
+                order.append(group)
+        positions.append(len(order) - 1)
+    order += [g for g in range(num_groups) if g not in seen]
+    return order, positions
+
+
+Sharding = LocalSharding | GroupCoordinator
+"""What the manager talks to: the same verbs at one rank (a null object) and at many."""
+
+
+def make_sharding(
+    families: list[ChunkFamily],
+    comm: ChunkComm,
+    *,
+    residency: Residency,
+    grads: GradStore,
+    compute_dtype: torch.dtype,
+    module_groups: Sequence[Iterable[int]] = (),
+) -> Sharding:
+    if comm.world_size == 1:
+        return LocalSharding(grads)
+    return GroupCoordinator(
+        families, comm, residency=residency, grads=grads, compute_dtype=compute_dtype, module_groups=module_groups
+    )

@@ -7,15 +7,17 @@ of the model; :func:`check_transition` raises on it instead of letting training 
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, Flag, auto
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
     "ChunkState",
+    "GradLocation",
     "InvalidTransitionError",
+    "MicroBatch",
+    "Phase",
     "TensorState",
     "Tier",
-    "TrainingStage",
     "check_transition",
 ]
 
@@ -57,14 +59,42 @@ class ChunkState(str, Enum):
     """All slots are ``FREE`` or ``HOLD*``: the chunk may move or be evicted."""
 
 
-class TrainingStage(str, Enum):
-    """Which part of the iteration the engine is in."""
+class Phase(str, Enum):
+    """Which part of the iteration the engine is in (set by the chunk manager's verbs)."""
 
-    FORWARD = "forward"
+    IDLE = "idle"
+    """Outside any pass: setup, between steps, after training. Module calls are not traced."""
+    TRAINING = "training"
+    """Inside a training micro-batch, outside its backward (its forward, then its optimizer step): moments
+    are traced (warm-up) or followed (the plan)."""
     BACKWARD = "backward"
-    OPTIMIZER_STEP = "optimizer_step"
+    """From the first pre-backward of a training micro-batch until its gradients have settled."""
     EVAL = "eval"
-    """Forward without gradients (validation, test, predict)."""
+    """A forward without gradients (validation, test, predict): chunks are fetched, nothing is traced."""
+
+    @property
+    def training(self) -> bool:
+        return self is Phase.TRAINING or self is Phase.BACKWARD
+
+
+class GradLocation(Flag):
+    """Where a parameter's gradient for the coming optimizer step lives (both flags: their sum)."""
+
+    NONE = 0
+    PARAM_SLOT = auto()
+    """Mixed precision, chunk reuse: the param slot holds the gradient in the compute dtype (the weight is
+    read from the fp32 master meanwhile)."""
+    GRAD_CHUNK = auto()
+    """The fp32 GRAD chunk holds the gradient (32-true) or the sum of earlier micro-batches (mixed)."""
+
+
+class MicroBatch(str, Enum):
+    """How a training micro-batch's gradients are kept."""
+
+    FINAL = "final"
+    """The last (or only) micro-batch before a step: mixed precision writes into the param slot."""
+    ACCUMULATING = "accumulating"
+    """A micro-batch whose gradients are summed with the next ones (fp32 GRAD chunk); no step follows."""
 
 
 _T = TensorState

@@ -71,6 +71,13 @@ class Trace:
     def peak_non_model(self) -> int:
         return max((m.non_model_bytes for m in self.moments), default=0)
 
+    def device_need(self, chunk_bytes: Callable[[Sequence[int]], int]) -> list[int]:
+        """Per moment, the device bytes it needs: its chunks (``chunk_bytes(families)``; none at the step, which
+        moves chunks family by family) plus the non-model memory measured then."""
+        return [
+            (chunk_bytes(m.families) if m.kind is not MomentKind.STEP else 0) + m.non_model_bytes for m in self.moments
+        ]
+
 
 class _SavedToken:
     """Held by autograd next to a saved tensor; its death means the saved bytes are free again."""

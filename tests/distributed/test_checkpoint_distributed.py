@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import LossScaleConfig, PatrickStarPrecision, PatrickStarStrategy
-from lightning_pstar.checkpoint import CheckpointError, consolidate
+from lightning_pstar.checkpoint import CheckpointError, consolidate, full_state_dict
 
 VOCAB = 16
 WIDTH = 16
@@ -168,7 +168,7 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         assert isinstance(trainer.strategy, PatrickStarStrategy)
-        state = trainer.strategy.chunk_manager.full_state_dict(rank0_only=True)
+        state = full_state_dict(trainer.strategy.chunk_manager, rank0_only=True)
         if trainer.global_rank == 0:
             torch.save(state, Path(self.job.out_dir) / f"{self.job.tag}-start.pt")
         else:

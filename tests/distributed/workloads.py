@@ -1,5 +1,5 @@
-"""What the distributed tests train: a tiny GPT, token data, a LightningModule that records per rank, and the
-functions the launched processes run.
+"""What the distributed tests train: :class:`~tests.helpers.models.FlatGPT` on the shared token data, a
+LightningModule that records per rank, and the functions the launched processes run.
 
 Everything here is importable by a fresh ``spawn`` process (the tests' own launcher and Lightning's spawn
 launcher pickle functions and modules by reference) and by ``two_nodes_main.py`` (a script started per node).
@@ -14,101 +14,30 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_pstar import PatrickStarStrategy
-
-VOCAB = 32
-BLOCK = 16
-N_LAYER = 2
-N_HEAD = 2
-N_EMBD = 32
-SEED = 1234
-DATA_SEED = 4321
-
+from tests.helpers.data import make_dataset
+from tests.helpers.models import N_EMBD, SEED, VOCAB, FlatGPT
+from tests.helpers.runs import quiet_trainer_options
 
 # ---- model --------------------------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block with causal self-attention."""
-
-    def __init__(self, n_embd: int) -> None:
-        super().__init__()
-        self.n_embd = n_embd
-        self.ln1 = nn.LayerNorm(n_embd)
-        # no bias: a key bias has a zero gradient in exact arithmetic (softmax ignores a shift), so Adam would
-        # turn rounding noise into lr-sized steps and final weights could not be compared across strategies
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
-        self.proj = nn.Linear(n_embd, n_embd)
-        self.ln2 = nn.LayerNorm(n_embd)
-        self.fc = nn.Linear(n_embd, 4 * n_embd)
-        self.out = nn.Linear(4 * n_embd, n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)  # 3 x (B, T, C)
-        q, k, v = (z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    """A nanoGPT-shaped model: ``wte.weight`` is tied to ``lm_head.weight``; ``frozen`` is a Linear with
-    ``requires_grad=False`` that forward uses."""
-
-    def __init__(self, n_embd: int = N_EMBD) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, n_embd)
-        self.wpe = nn.Embedding(BLOCK, n_embd)
-        self.blocks = nn.ModuleList([Block(n_embd) for _ in range(N_LAYER)])
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.frozen = nn.Linear(n_embd, n_embd)
-        self.frozen.requires_grad_(False)
-        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
-        self.wte.weight = self.lm_head.weight  # tied: one Parameter, two names
-        self.checkpoint_blocks = False  # recompute each block in backward (torch.utils.checkpoint)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, VOCAB) for token ids (B, T)."""
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
-        x = self.ln_f(x)
-        return self.lm_head(x + self.frozen(x))  # (B, T, VOCAB)
-
-
-def build_model(n_embd: int = N_EMBD) -> TinyGPT:
-    """``TinyGPT(n_embd)`` built right after ``torch.manual_seed(SEED)`` (what every run starts from)."""
+def build_model(n_embd: int = N_EMBD) -> FlatGPT:
+    """``FlatGPT(n_embd)`` built right after ``torch.manual_seed(SEED)`` (what every run starts from)."""
     torch.manual_seed(SEED)
-    return TinyGPT(n_embd)
+    return FlatGPT(n_embd)
 
 
 def num_params(n_embd: int = N_EMBD) -> int:
-    """Unique parameter elements of ``TinyGPT(n_embd)`` (the tied weight counted once)."""
-    return sum(p.numel() for p in TinyGPT(n_embd).parameters())
-
-
-# ---- data ---------------------------------------------------------------------------------------------------
-
-
-def make_dataset(n_seq: int) -> TensorDataset:
-    """Arithmetic token sequences with 10% noise; inputs and targets shifted by one. Fixed by DATA_SEED."""
-    g = torch.Generator().manual_seed(DATA_SEED)
-    start = torch.randint(0, VOCAB, (n_seq, 1), generator=g)
-    stride = torch.randint(1, 4, (n_seq, 1), generator=g)
-    seq = (start + stride * torch.arange(BLOCK + 1)) % VOCAB  # (N, BLOCK + 1)
-    noise = torch.rand(seq.shape, generator=g) < 0.1
-    seq = torch.where(noise, torch.randint(0, VOCAB, seq.shape, generator=g), seq)
-    return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+    """Unique parameter elements of ``FlatGPT(n_embd)`` (the tied weight counted once)."""
+    return sum(p.numel() for p in FlatGPT(n_embd).parameters())
 
 
 # ---- one training run ---------------------------------------------------------------------------------------
@@ -163,7 +92,7 @@ class RunSpec:
 
 
 class RecordingModule(L.LightningModule):
-    """Trains :class:`TinyGPT` and writes this rank's record at the end of training (see module docstring)."""
+    """Trains :class:`FlatGPT` and writes this rank's record at the end of training (see module docstring)."""
 
     def __init__(self, spec: RunSpec) -> None:
         super().__init__()
@@ -171,7 +100,7 @@ class RecordingModule(L.LightningModule):
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self.lrs: list[float] = []
-        self.model: TinyGPT | None = None
+        self.model: FlatGPT | None = None
         if not spec.n_embd_by_rank:
             self.model = build_model()
             self.model.checkpoint_blocks = spec.checkpoint_blocks
@@ -237,7 +166,7 @@ class RecordingModule(L.LightningModule):
 
 def build_strategy(spec: RunSpec) -> Any:
     if spec.strategy.startswith("patrickstar"):
-        start_method = "spawn" if spec.strategy == "patrickstar_spawn" else "popen"
+        start_method: Literal["spawn", "popen"] = "spawn" if spec.strategy == "patrickstar_spawn" else "popen"
         options: dict[str, Any] = {} if spec.chunk_size is None else {"chunk_size": spec.chunk_size}
         return PatrickStarStrategy(start_method=start_method, **options)
     return spec.strategy
@@ -254,12 +183,8 @@ def fit(spec: RunSpec) -> None:
         max_steps=spec.steps,
         accumulate_grad_batches=spec.accumulate,
         gradient_clip_val=spec.clip,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
+        **quiet_trainer_options(),
     )
     # unshuffled: Lightning's DistributedSampler then gives rank r the indices r, r + W, r + 2W, ...
     loader = DataLoader(make_dataset(spec.n_seq), batch_size=spec.batch_size, shuffle=False)

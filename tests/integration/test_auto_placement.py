@@ -20,9 +20,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import OptimSpec, TinyLM, fit
 
 from lightning_pstar import MemoryBudgetError, MemoryReport, PatrickStarStrategy
+from tests.helpers import OptimSpec, TinyLM, fit
 
 STEPS = 8
 CHUNK = 2048

@@ -6,9 +6,9 @@ import re
 
 import pytest
 import torch
-from helpers import OptimSpec, TinyLM, make_loader, make_trainer
 
 from lightning_pstar import MemoryBudgetError, PatrickStarStrategy
+from tests.helpers import OptimSpec, TinyLM, make_loader, make_trainer
 
 
 def _snapshot(module: TinyLM) -> dict[str, torch.Tensor]:

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import OptimSpec, TinyLM, fit, make_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_pstar import PatrickStarStrategy
+from tests.helpers import OptimSpec, TinyLM, fit, make_loader
 
 CLIP = 0.65
 SPEC = OptimSpec(name="adamw", lr=3e-3, weight_decay=0.1, cosine_t_max=30)

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import LossScaleConfig, PatrickStarPrecision, PatrickStarStrategy
-from lightning_pstar.checkpoint import CheckpointError, consolidate
+from lightning_pstar.checkpoint import CheckpointError, consolidate, full_state_dict
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -143,7 +143,7 @@ def current_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """The model's consolidated fp32 state_dict as training sees it now (any strategy, any checkpoint mode)."""
     strategy = trainer.strategy
     if isinstance(strategy, PatrickStarStrategy):
-        return {k: v.detach().cpu().clone() for k, v in strategy.chunk_manager.full_state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in full_state_dict(strategy.chunk_manager).items()}
     assert trainer.lightning_module is not None
     return {k: v.detach().cpu().clone() for k, v in trainer.lightning_module.state_dict().items()}
 

@@ -9,7 +9,10 @@ import sys
 import lightning as L
 import pytest
 import torch
-from helpers import (
+
+import lightning_pstar
+from lightning_pstar import PatrickStarStrategy
+from tests.helpers import (
     OptimSpec,
     TinyLM,
     build_model,
@@ -19,9 +22,6 @@ from helpers import (
     make_trainer,
     max_rel_diff,
 )
-
-import lightning_pstar
-from lightning_pstar import PatrickStarStrategy
 
 SGD = OptimSpec(name="sgd", lr=0.05, momentum=0.9)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OptimSpec, TinyLM, build_model, fit
 
 from lightning_pstar import PatrickStarStrategy
+from tests.helpers import OptimSpec, TinyLM, build_model, fit
 
 STEPS = 20
 ACCUM = 2

@@ -1,6 +1,6 @@
 """bf16-mixed and 16-mixed against a plain-PyTorch loop with the semantics of README.md (Precision).
 
-The reference (``helpers.reference_mixed_precision``) keeps fp32 masters, runs the model on
+The reference (``tests.helpers.reference_mixed_precision``) keeps fp32 masters, runs the model on
 ``master.to(dtype)`` copies under autocast, scales the loss (fp16), sums gradients in fp32 over
 micro-batches, skips and backs off on overflow, clips with ``clip_grad_norm_`` and steps torch's fused
 optimizer on the masters. Nothing in it knows about chunks or Lightning.
@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import (
+
+from lightning_pstar import PatrickStarPrecision, PatrickStarStrategy
+from lightning_pstar.config import LossScaleConfig
+from tests.helpers import (
     OptimSpec,
     ReferenceRun,
     TinyLM,
@@ -22,9 +25,6 @@ from helpers import (
     max_rel_diff,
     reference_mixed_precision,
 )
-
-from lightning_pstar import PatrickStarPrecision, PatrickStarStrategy
-from lightning_pstar.config import LossScaleConfig
 
 STEPS = 20
 ACCUM = 2

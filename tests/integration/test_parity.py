@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (
+
+from lightning_pstar import PatrickStarStrategy
+from tests.helpers import (
     FitResult,
     OptimSpec,
     TinyLM,
@@ -17,8 +19,6 @@ from helpers import (
     fit,
     max_rel_diff,
 )
-
-from lightning_pstar import PatrickStarStrategy
 
 STEPS = 20
 ACCUM = 2

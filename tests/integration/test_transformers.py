@@ -27,11 +27,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from helpers import LossRecorder, make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import PatrickStarStrategy
+from tests.helpers import LossRecorder, make_trainer
 
 VOCAB = 128
 SEQ = 32
@@ -255,10 +255,10 @@ def test_gpt2_gradient_checkpointing(use_reentrant: bool) -> None:
         counter = CallCounter(module.model.transformer.h[0].attn.c_attn)
         got = fit(module, strategy, steps=steps)
         assert counter.calls == 2 * steps
-        assert_losses_close(got.losses, ref.losses, LOSS_RTOL_32, f"checkpointing, {strategy.config.placement}")
+        assert_losses_close(got.losses, ref.losses, LOSS_RTOL_32, f"checkpointing, {strategy.config.placement.policy}")
         for name, value in want.items():
             torch.testing.assert_close(got.final_state[name], value.float(), rtol=1e-5, atol=1e-6, msg=name)
-        if strategy.config.device_memory_limit is not None:
+        if strategy.config.memory.device_limit is not None:
             report = strategy.memory_report()
             assert report.evictions > 0 and report.peak_device_chunk_bytes <= limit, report
 

@@ -85,6 +85,7 @@ def test_monitor_logs_pstar_metrics_through_the_csv_logger(tmp_path: Path) -> No
         "pstar/h2d_bytes",
         "pstar/d2h_bytes",
         "pstar/evictions",
+        "pstar/moves_off_device",
         "pstar/prefetches",
         "pstar/peak_non_model_bytes",
     }
@@ -96,7 +97,7 @@ def test_monitor_logs_pstar_metrics_through_the_csv_logger(tmp_path: Path) -> No
     assert float(last["pstar/device_chunk_bytes"]) == report.device_chunk_bytes > 0
     assert float(last["pstar/host_chunk_bytes"]) == 0
     assert all(float(r["pstar/h2d_bytes"]) == float(r["pstar/d2h_bytes"]) == 0 for r in rows)
-    assert all(float(r["pstar/evictions"]) == 0 for r in rows)
+    assert all(float(r["pstar/evictions"]) == float(r["pstar/moves_off_device"]) == 0 for r in rows)
     assert float(last["pstar/peak_non_model_bytes"]) == report.peak_non_model_bytes > 0
 
 

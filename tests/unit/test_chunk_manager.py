@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pstar.checkpoint import full_state_dict, load_full_state_dict, master_view, restore_module
+from lightning_pstar.config import PStarConfig
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.manager import ChunkManager, MemoryBudgetError, MemoryReport
-from lightning_pstar.config import PStarConfig
-from lightning_pstar.runtime.state import InvalidTransitionError, TensorState, Tier
+from lightning_pstar.runtime.state import InvalidTransitionError, MicroBatch, TensorState, Tier
 
 CPU = torch.device("cpu")
 CAP = 80  # chunk size used with `_mlp`: one Linear(8, 8) (64 + 8 elements) per chunk
@@ -54,7 +55,7 @@ def _manager(
     frozen_master: bool = True,
 ) -> ChunkManager:
     # the static policy: its LRU order and optimizer-tier rule are what these tests pin
-    config = PStarConfig(
+    config = PStarConfig.from_flat(
         chunk_size=chunk_size,
         placement="static",
         device_memory_limit=device_limit,
@@ -171,7 +172,7 @@ def test_materialise_points_parameters_at_chunk_storage(dtype: torch.dtype) -> N
         assert _storage_ptr(param) == _storage_ptr(chunk.device_buffer)
         assert param.data_ptr() == chunk.device_buffer.data_ptr() + record.slot.offset * dtype.itemsize
         assert torch.equal(param.detach(), original[name].to(dtype))
-        assert torch.equal(manager.master_view(record), original[name])  # fp32 master (or fp32 param) exact
+        assert torch.equal(master_view(record), original[name])  # fp32 master (or fp32 param) exact
         assert record.slot.state is TensorState.HOLD
         if dtype is torch.float32:
             assert set(record.family.chunks) == {ChunkKind.PARAM}
@@ -237,16 +238,16 @@ def test_meta_module_materialised_via_reset_parameters() -> None:
         assert param is dict(model.named_parameters())[record.names[0]]
         assert param.dtype == torch.bfloat16
         assert _storage_ptr(param) == _storage_ptr(record.family.param_chunk.device_buffer)
-        master = manager.master_view(record)
+        master = master_view(record)
         assert torch.isfinite(master).all()
         assert torch.equal(param.detach(), master.to(torch.bfloat16))
     # each module's own init rule
     bound = 1 / 8**0.5
-    linear_w = manager.master_view(manager.record_of(model[0].weight))
+    linear_w = master_view(manager.record_of(model[0].weight))
     assert linear_w.abs().max() <= bound and linear_w.std() > 0
-    assert torch.equal(manager.master_view(manager.record_of(model[1].weight)), torch.ones(8))
-    assert torch.equal(manager.master_view(manager.record_of(model[1].bias)), torch.zeros(8))
-    assert manager.master_view(manager.record_of(model[2].weight)).std() > 0.5  # N(0, 1)
+    assert torch.equal(master_view(manager.record_of(model[1].weight)), torch.ones(8))
+    assert torch.equal(master_view(manager.record_of(model[1].bias)), torch.zeros(8))
+    assert master_view(manager.record_of(model[2].weight)).std() > 0.5  # N(0, 1)
 
 
 def test_meta_and_real_modules_mixed_keep_real_values() -> None:
@@ -368,7 +369,7 @@ from lightning_pstar.runtime.state import Tier
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
 expected = model[0].weight.detach().clone()
-config = PStarConfig(chunk_size=80, placement="static", device_memory_limit=320)  # one chunk: layer 0 evicted
+config = PStarConfig.from_flat(chunk_size=80, placement="static", device_memory_limit=320)  # one chunk: layer 0 evicted
 manager = ChunkManager(model, config=config, compute_dtype=torch.float32, device=torch.device("cpu"))
 manager.materialise()
 assert manager.record_of(model[0].weight).family.param_chunk.tier is Tier.HOST
@@ -426,12 +427,12 @@ def test_settle() -> None:
     manager.access(r1, TensorState.COMPUTE)
     manager.release(r1, TensorState.HOLD_AFTER_FWD)
     manager.grad_ready(r2[0], torch.zeros(8, 8))
-    manager.settle()  # after backward: everything not waiting for the step is HOLD
+    manager.finish_backward()  # after backward: everything not waiting for the step is HOLD
     assert [r.slot.state for r in r0 + r1] == [TensorState.HOLD] * 4
     assert r2[0].slot.state is TensorState.HOLD_AFTER_BWD  # keeps its gradient for the optimizer step
     assert r2[1].slot.state is TensorState.HOLD
     manager.access(r0, TensorState.COMPUTE)
-    manager.settle()  # before a batch (e.g. after an interrupted forward)
+    manager.finish_backward()  # before a batch (e.g. after an interrupted forward)
     assert r0[0].slot.state is TensorState.HOLD
     assert r2[0].slot.state is TensorState.HOLD_AFTER_BWD
 
@@ -445,12 +446,12 @@ def test_grad_ready_mixed_writes_into_the_param_slot() -> None:
     record = manager.record_of(model[1].weight)
     grad = torch.randn(8, 8).to(torch.bfloat16)
     manager.grad_ready(record, grad)
-    assert record.slot_holds_grad and not record.grad_chunk_has_data
+    assert record.grad_in_param_slot and not record.grad_in_grad_chunk
     assert record.slot.state is TensorState.HOLD_AFTER_BWD
     assert torch.equal(record.family.param_chunk.slot_view(record.slot), grad)
     assert ChunkKind.GRAD not in record.family.chunks  # chunk reuse: no extra gradient memory
     # the weight lives on in the fp32 master, and the parameter reads it there until the step
-    assert torch.equal(manager.master_view(record), weight)
+    assert torch.equal(master_view(record), weight)
     assert model[1].weight.dtype == torch.float32 and torch.equal(model[1].weight.detach(), weight)
 
 
@@ -462,7 +463,7 @@ def test_grad_ready_fp32_writes_into_the_grad_chunk() -> None:
     record = manager.record_of(model[1].weight)
     grad = torch.randn(8, 8)
     manager.grad_ready(record, grad)
-    assert record.grad_chunk_has_data and not record.slot_holds_grad
+    assert record.grad_in_grad_chunk and not record.grad_in_param_slot
     assert record.slot.state is TensorState.HOLD_AFTER_BWD
     grad_chunk = record.family.chunks[ChunkKind.GRAD]
     assert grad_chunk.dtype == torch.float32
@@ -483,17 +484,17 @@ def test_grad_ready_accumulating_sums_in_fp32(dtype: torch.dtype) -> None:
     manager.materialise()
     record = manager.record_of(model[0].weight)
     g1, g2 = torch.randn(8, 8).to(dtype), torch.randn(8, 8).to(dtype)
-    manager.accumulating = True
+    manager.micro_batch = MicroBatch.ACCUMULATING
     manager.grad_ready(record, g1)
     assert record.slot.state is TensorState.HOLD  # not final: the step does not come yet
     manager.grad_ready(record, g2)
     grad_chunk = record.family.chunks[ChunkKind.GRAD]
     assert grad_chunk.dtype == torch.float32
     assert torch.equal(grad_chunk.slot_view(record.slot), g1.float() + g2.float())
-    assert record.grad_chunk_has_data and not record.slot_holds_grad
-    assert torch.equal(manager.master_view(record), weight)  # accumulation never touches the weight
+    assert record.grad_in_grad_chunk and not record.grad_in_param_slot
+    assert torch.equal(master_view(record), weight)  # accumulation never touches the weight
     assert torch.equal(model[0].weight.detach(), weight.to(dtype))
-    manager.accumulating = False
+    manager.micro_batch = MicroBatch.FINAL
     g3 = torch.randn(8, 8).to(dtype)
     manager.grad_ready(record, g3)
     assert record.slot.state is TensorState.HOLD_AFTER_BWD
@@ -501,7 +502,7 @@ def test_grad_ready_accumulating_sums_in_fp32(dtype: torch.dtype) -> None:
         assert torch.equal(grad_chunk.slot_view(record.slot), g1 + g2 + g3)
     else:
         # the last micro-batch goes to the param slot; the earlier sum stays in fp32
-        assert record.slot_holds_grad
+        assert record.grad_in_param_slot
         assert torch.equal(record.family.param_chunk.slot_view(record.slot), g3)
         assert torch.equal(grad_chunk.slot_view(record.slot), g1.float() + g2.float())
 
@@ -515,10 +516,10 @@ def test_accumulation_in_mixed_precision_fits_a_budget_the_planner_accepted() ->
     manager = _manager(model, dtype=torch.bfloat16, device_limit=budget)
     manager.materialise()
     manager.add_optimizer_chunks([ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ])
-    manager.accumulating = True
+    manager.micro_batch = MicroBatch.ACCUMULATING
     for record in manager.records:
         manager.grad_ready(record, torch.ones(record.slot.shape, dtype=torch.bfloat16))
-    assert all(r.grad_chunk_has_data for r in manager.records)
+    assert all(r.grad_in_grad_chunk for r in manager.records)
     assert manager.stats.per_tier_bytes[Tier.DEVICE] <= budget
 
 
@@ -530,7 +531,7 @@ def test_discard_grads_restores_weights_from_masters() -> None:
     for record in manager.records:
         manager.grad_ready(record, torch.full(record.slot.shape, 7.0, dtype=torch.bfloat16))
         assert torch.all(record.family.param_chunk.slot_view(record.slot) == 7.0)  # the slot holds the gradient
-        assert torch.equal(record.param.detach(), manager.master_view(record))  # the parameter its fp32 master
+        assert torch.equal(record.param.detach(), master_view(record))  # the parameter its fp32 master
     manager.discard_grads()
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), weights[name]), name
@@ -538,7 +539,7 @@ def test_discard_grads_restores_weights_from_masters() -> None:
         slot = record.family.param_chunk.slot_view(record.slot)
         assert record.param.dtype == torch.bfloat16 and record.param.data_ptr() == slot.data_ptr()
     assert all(r.slot.state is TensorState.HOLD for r in manager.records)
-    assert not any(r.slot_holds_grad or r.grad_chunk_has_data for r in manager.records)
+    assert not any(r.grad_in_param_slot or r.grad_in_grad_chunk for r in manager.records)
     assert not any(f.has_grads() for f in manager.families)
 
 
@@ -549,7 +550,7 @@ def test_full_state_dict_matches_module_state_dict(dtype: torch.dtype) -> None:
     reference = copy.deepcopy(model).state_dict()
     manager = _manager(model, dtype=dtype, chunk_size=128)
     manager.materialise()
-    state = manager.full_state_dict()
+    state = full_state_dict(manager)
     assert list(state) == list(model.state_dict()) == list(reference)
     assert "head.weight" in state and "emb.weight" in state and "scale" in state and "scratch" not in state
     for key, value in state.items():
@@ -558,7 +559,7 @@ def test_full_state_dict_matches_module_state_dict(dtype: torch.dtype) -> None:
         assert torch.equal(value, reference[key]), key
     # copies, not views of the chunks
     state["body.weight"].fill_(0)
-    assert not torch.equal(manager.master_view(manager.record_of(model.body.weight)), torch.zeros(8, 8))
+    assert not torch.equal(master_view(manager.record_of(model.body.weight)), torch.zeros(8, 8))
     # a plain module loads it
     plain = _Tied()
     plain.load_state_dict(state)
@@ -571,7 +572,7 @@ def test_full_state_dict_while_slots_hold_gradients() -> None:
     manager.materialise()
     for record in manager.records:
         manager.grad_ready(record, torch.full(record.slot.shape, 9.0, dtype=torch.bfloat16))
-    state = manager.full_state_dict()
+    state = full_state_dict(manager)
     for key in reference:
         assert torch.equal(state[key], reference[key])
 
@@ -589,7 +590,7 @@ def _loaded_model() -> tuple[_Tied, ChunkManager, dict[str, torch.Tensor]]:
 def _current(model: nn.Module, manager: ChunkManager) -> dict[str, torch.Tensor]:
     """Compute copies, fp32 masters and buffers, as they stand."""
     out = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
-    out.update({f"master:{n}": manager.master_view(manager.record_of(p)).clone() for n, p in model.named_parameters()})
+    out.update({f"master:{n}": master_view(manager.record_of(p)).clone() for n, p in model.named_parameters()})
     out.update({f"buffer:{n}": b.clone() for n, b in model.named_buffers()})
     return out
 
@@ -602,20 +603,20 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 def test_load_full_state_dict_writes_masters_params_and_buffers() -> None:
     model, manager, state = _loaded_model()
-    manager.load_full_state_dict(state)
+    load_full_state_dict(manager, state)
     for record in manager.records:
         expected = state[record.names[0]]
-        assert torch.equal(manager.master_view(record), expected)
+        assert torch.equal(master_view(record), expected)
         assert torch.equal(record.param.detach(), expected.to(torch.bfloat16))
         assert _storage_ptr(record.param) == _storage_ptr(record.family.param_chunk.device_buffer)
     assert model.scale.item() == 3.0
-    _assert_same(manager.full_state_dict(), state)
+    _assert_same(full_state_dict(manager), state)
 
 
 def test_load_full_state_dict_accepts_tied_weight_under_one_name() -> None:
     model, manager, state = _loaded_model()
     del state["head.weight"]
-    manager.load_full_state_dict(state)
+    load_full_state_dict(manager, state)
     assert torch.equal(model.head.weight.detach(), state["emb.weight"].to(torch.bfloat16))
 
 
@@ -625,19 +626,19 @@ def test_load_full_state_dict_strict_lists_missing_and_unexpected_and_changes_no
     del state["body.bias"]
     state["extra.weight"] = torch.zeros(1)
     with pytest.raises(KeyError, match=r"missing keys \['body.bias'\], unexpected keys \['extra.weight'\].*HINT"):
-        manager.load_full_state_dict(state)
+        load_full_state_dict(manager, state)
     _assert_same(_current(model, manager), before)
     # not strict: loads what matches
-    manager.load_full_state_dict(state, strict=False)
-    assert torch.equal(manager.master_view(manager.record_of(model.body.weight)), state["body.weight"])
-    assert torch.equal(manager.master_view(manager.record_of(model.body.bias)), before["master:body.bias"])
+    load_full_state_dict(manager, state, strict=False)
+    assert torch.equal(master_view(manager.record_of(model.body.weight)), state["body.weight"])
+    assert torch.equal(master_view(manager.record_of(model.body.bias)), before["master:body.bias"])
 
 
 def test_load_full_state_dict_missing_buffer_is_reported() -> None:
     model, manager, state = _loaded_model()
     del state["scale"]
     with pytest.raises(KeyError, match=r"missing keys \['scale'\]"):
-        manager.load_full_state_dict(state)
+        load_full_state_dict(manager, state)
 
 
 def test_load_full_state_dict_shape_mismatch_changes_nothing() -> None:
@@ -645,10 +646,10 @@ def test_load_full_state_dict_shape_mismatch_changes_nothing() -> None:
     before = _current(model, manager)
     state["body.weight"] = torch.zeros(8, 9)  # emb.weight (valid, different values) comes first
     with pytest.raises(ValueError, match=r"state_dict\['body.weight'\] has shape \(8, 9\).*\(8, 8\).*HINT"):
-        manager.load_full_state_dict(state)
+        load_full_state_dict(manager, state)
     _assert_same(_current(model, manager), before)
     with pytest.raises(ValueError, match="has shape"):
-        manager.load_full_state_dict(state, strict=False)
+        load_full_state_dict(manager, state, strict=False)
     _assert_same(_current(model, manager), before)
 
 
@@ -664,7 +665,7 @@ def test_load_full_state_dict_buffer_shape_mismatch_is_an_error_and_changes_noth
     state["0.weight"] = torch.full((4, 4), 5.0)
     state["1.running_mean"] = torch.zeros(bad_shape)
     with pytest.raises(ValueError, match=r"1.running_mean"):
-        manager.load_full_state_dict(state)
+        load_full_state_dict(manager, state)
     _assert_same(_current(model, manager), before)
 
 
@@ -677,7 +678,7 @@ def test_restore_module_gives_ordinary_parameters(dtype: torch.dtype) -> None:
     manager.materialise()
     manager.add_optimizer_chunks([ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ])
     chunk_storages = {_storage_ptr(f.param_chunk.device_buffer) for f in manager.families}
-    manager.restore_module(CPU)
+    restore_module(manager, CPU)
     assert model.head.weight is model.emb.weight
     for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert isinstance(p, nn.Parameter) and p.requires_grad
@@ -748,6 +749,23 @@ def test_memory_report_counts_transfers_and_budgets() -> None:
     assert report.device_memory_limit == 2 * LAYER_BYTES_FP32
     assert report.host_memory_limit == 10**6
     assert report.optimizer_tier == "host"
+    assert report.moves_off_device == 3  # every eviction is a move off the device
+
+
+def test_moves_off_the_device_count_every_move_not_only_evictions() -> None:
+    """A chunk moved to the host for a reason other than the budget (an optimizer step on the host) is a move
+    off the device but no eviction: the report names both for what they count."""
+    model = _mlp()
+    manager = _manager(model)
+    manager.materialise()
+    assert manager.stats.evictions == manager.stats.moves_off_device == 0
+    manager.move_param_chunk(manager.families[1], Tier.HOST)
+    manager.move_param_chunk(manager.families[1], Tier.DEVICE)
+    manager.move_param_chunk(manager.families[2], Tier.HOST)
+    report = manager.memory_report()
+    assert (report.evictions, report.moves_off_device) == (0, 2)
+    assert report.d2h_bytes == 2 * LAYER_BYTES_FP32
+    assert "moves off the device" in str(report)
 
 
 @pytest.mark.parametrize("frozen_master", [True, False])
@@ -763,7 +781,7 @@ def test_frozen_weights_round_trip_exactly_with_frozen_master(frozen_master: boo
     manager = _manager(model, dtype=torch.bfloat16, frozen_master=frozen_master)
     manager.materialise()
     assert model[1].weight.dtype == torch.bfloat16  # what forward computes with
-    state = manager.full_state_dict()
+    state = full_state_dict(manager)
     for name in ("1.weight", "1.bias"):
         assert state[name].dtype == torch.float32
         want = original[name] if frozen_master else original[name].bfloat16().float()

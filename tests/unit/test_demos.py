@@ -298,7 +298,7 @@ def test_patrickstar_yaml_lists_every_option_with_the_dataclass_defaults() -> No
     assert isinstance(node, dict)
     assert node.pop("_target_") == "lightning_pstar.PatrickStarStrategy"
     assert set(node) == {f.name for f in fields(PStarConfig)}, "configs/strategy/patrickstar.yaml is out of date"
-    assert set(node["loss_scale"]) == {f.name for f in fields(LossScaleConfig)}
+    assert set(node["mixed_precision"]["loss_scale"]) == {f.name for f in fields(LossScaleConfig)}
     assert PStarConfig.from_mapping(cfg.strategy) == PStarConfig()
 
 
@@ -308,7 +308,7 @@ def test_experiments_compose(experiment: str) -> None:
     assert cfg.data.block_size == cfg.model.block_size
     assert cfg.model.vocab_size >= len(VOCAB)
     if experiment == "offload":
-        assert PStarConfig.from_mapping(cfg.strategy).device_limit_bytes == 150 * 2**20
+        assert PStarConfig.from_mapping(cfg.strategy).memory.device_limit_bytes == 150 * 2**20
     else:
         assert cfg.trainer.max_steps <= 10
 

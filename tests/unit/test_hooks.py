@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pstar.runtime.chunk import ChunkKind
-from lightning_pstar.runtime.manager import ChunkManager, MemoryBudgetError, ParamRecord
+from lightning_pstar.checkpoint import full_state_dict, load_full_state_dict
 from lightning_pstar.config import PStarConfig
+from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.hooks import ModelHooks
+from lightning_pstar.runtime.manager import ChunkManager, MemoryBudgetError, ParamRecord
 from lightning_pstar.runtime.state import TensorState, Tier
 
 CPU = torch.device("cpu")
@@ -90,7 +91,7 @@ def _setup(
     chunk_size: int = LAYER_CAP,
     device_limit: int | None = None,
 ) -> tuple[ChunkManager, ModelHooks]:
-    config = PStarConfig(chunk_size=chunk_size, placement="static", device_memory_limit=device_limit)
+    config = PStarConfig.from_flat(chunk_size=chunk_size, placement="static", device_memory_limit=device_limit)
     manager = ChunkManager(model, config=config, compute_dtype=dtype, device=CPU)
     manager.materialise()
     hooks = ModelHooks(manager)
@@ -101,9 +102,9 @@ def _setup(
 def _chunk_grad(manager: ChunkManager, record: ParamRecord) -> torch.Tensor:
     """The gradient of ``record`` as stored in the chunks (fp32)."""
     family = record.family
-    if record.slot_holds_grad:
+    if record.grad_in_param_slot:
         return family.param_chunk.slot_view(record.slot).float().clone()
-    assert record.grad_chunk_has_data, f"no gradient stored for {record.names}"
+    assert record.grad_in_grad_chunk, f"no gradient stored for {record.names}"
     return family.chunks[ChunkKind.GRAD].slot_view(record.slot).clone()
 
 
@@ -139,7 +140,7 @@ def _compare_grads(
         out = model(inputs)
     assert torch.equal(out, ref_out)
     _loss(out).backward()
-    manager.settle()
+    manager.finish_backward()
 
     ref_params = dict(reference.named_parameters())
     for record in manager.records:
@@ -227,7 +228,9 @@ def test_weight_saved_outside_its_module_with_several_ranks_is_refused(monkeypat
     its module is refused with an error naming it (every rank raises at the same point)."""
     model = _Functional()
     manager, hooks = _setup(model, chunk_size=80)
-    monkeypatch.setattr(manager, "groups", object())  # as with world_size > 1 (no module runs, nothing gathers)
+    monkeypatch.setattr(
+        manager.sharding, "distributed", True
+    )  # as with world_size > 1 (no module runs, nothing gathers)
     x = torch.randn(2, 8, requires_grad=True)
     with hooks.saved_tensors(), pytest.raises(RuntimeError, match=r"Parameter 'emb\.weight' is used outside.*HINT"):
         F.linear(x, model.emb.weight)
@@ -238,10 +241,10 @@ def test_weight_saved_outside_its_module_then_changed_raises() -> None:
     an error, as plain PyTorch raises for a saved parameter modified in place -- never a silently wrong gradient."""
     model = _Functional()
     manager, hooks = _setup(model, chunk_size=80)
-    state = manager.full_state_dict()
+    state = full_state_dict(manager)
     with hooks.saved_tensors():
         out = model(torch.tensor([[1, 2, 3]]))
-    manager.load_full_state_dict(state)
+    load_full_state_dict(manager, state)
     with pytest.raises(RuntimeError, match=r"Parameter 'emb\.weight' was saved for backward and has changed.*HINT"):
         _loss(out).backward()
 
@@ -287,7 +290,7 @@ def test_budget_accepted_by_the_planner_suffices_with_tied_weights() -> None:
     _loss(reference(idx)).backward()
     manager, _ = _setup(model, chunk_size=80, device_limit=80 * 4)  # accepted: no MemoryBudgetError here
     _loss(model(idx)).backward()  # must not fail half-way through backward
-    manager.settle()
+    manager.finish_backward()
     for record in manager.records:
         assert torch.equal(_chunk_grad(manager, record), dict(reference.named_parameters())[record.names[0]].grad)
 
@@ -304,7 +307,7 @@ def test_frozen_layers_get_no_gradient_and_end_in_hold() -> None:
     frozen = [r for r in manager.records if not r.trainable]
     assert len(frozen) == 4
     assert all(r.slot.state is TensorState.HOLD for r in frozen)
-    assert not any(r.grad_chunk_has_data or r.slot_holds_grad for r in frozen)
+    assert not any(r.grad_in_grad_chunk or r.grad_in_param_slot for r in frozen)
     assert all(not f.trainable for f in {id(r.family): r.family for r in frozen}.values())
 
 
@@ -322,7 +325,7 @@ def test_states_after_forward_and_backward() -> None:
     _loss(out).backward()
     assert all(r.slot.state is TensorState.HOLD_AFTER_BWD for r in trainable)
     assert all(r.slot.state is TensorState.HOLD for r in frozen)  # released after its module's backward
-    manager.settle()
+    manager.finish_backward()
     assert all(r.slot.state is TensorState.HOLD_AFTER_BWD for r in trainable)
 
 
@@ -354,7 +357,7 @@ def test_eval_forward_leaves_slots_hold(dtype: torch.dtype) -> None:
         expected = reference(x)
     assert torch.equal(out, expected)
     assert all(r.slot.state is TensorState.HOLD for r in manager.records)
-    assert not any(r.grad_chunk_has_data or r.slot_holds_grad for r in manager.records)
+    assert not any(r.grad_in_grad_chunk or r.grad_in_param_slot for r in manager.records)
 
 
 def test_forward_with_gradient_readable_as_weight_raises() -> None:
@@ -365,7 +368,7 @@ def test_forward_with_gradient_readable_as_weight_raises() -> None:
     manager, _ = _setup(model, dtype=torch.bfloat16)
     with _autocast(torch.bfloat16):
         _loss(model(torch.randn(2, 8))).backward()
-    manager.settle()
+    manager.finish_backward()
     with pytest.raises(InvalidTransitionError, match="HINT"), torch.no_grad():
         model(torch.randn(2, 8))
 
@@ -378,9 +381,9 @@ def test_second_iteration_after_discard() -> None:
         x = torch.randn(2, 8)
         reference.zero_grad()
         _loss(reference(x)).backward()
-        manager.settle()
+        manager.finish_backward()
         _loss(model(x)).backward()
-        manager.settle()
+        manager.finish_backward()
         for record in manager.records:
             assert torch.equal(_chunk_grad(manager, record), dict(reference.named_parameters())[record.names[0]].grad)
         manager.discard_grads()
@@ -400,5 +403,5 @@ def test_remove_hooks_cleanly() -> None:
     _loss(model(torch.randn(2, 8))).backward()
     # the engine saw nothing: states untouched, gradients stay where autograd puts them
     assert all(r.slot.state is TensorState.HOLD for r in manager.records)
-    assert not any(r.grad_chunk_has_data or r.slot_holds_grad for r in manager.records)
+    assert not any(r.grad_in_grad_chunk or r.grad_in_param_slot for r in manager.records)
     assert all(p.grad is not None for p in model.parameters())

@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_pstar.runtime.chunk import ChunkKind
-from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.checkpoint import full_state_dict, load_full_state_dict, master_view
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.optim import SUPPORTED_OPTIMIZERS, ChunkedOptimizer
-from lightning_pstar.runtime.state import TensorState
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.state import MicroBatch, TensorState
 
 CPU = torch.device("cpu")
 CAP = 80
@@ -34,7 +36,7 @@ def _mlp(seed: int = 0) -> nn.Sequential:
 def _manager(model: nn.Module, dtype: torch.dtype, **config: Any) -> ChunkManager:
     config.setdefault("chunk_size", CAP)
     config.setdefault("placement", "static")
-    manager = ChunkManager(model, config=PStarConfig(**config), compute_dtype=dtype, device=CPU)
+    manager = ChunkManager(model, config=PStarConfig.from_flat(**config), compute_dtype=dtype, device=CPU)
     manager.materialise()
     return manager
 
@@ -72,8 +74,8 @@ class _Pair:
             grad = grads.get(record.names[0])
             if grad is not None:
                 self.manager.grad_ready(record, grad.to(self.dtype))
-                if record.slot_holds_grad:  # mixed precision: the slot holds the gradient, the parameter
-                    assert torch.equal(record.param.detach(), self.manager.master_view(record))  # its master
+                if record.grad_in_param_slot:  # mixed precision: the slot holds the gradient, the parameter
+                    assert torch.equal(record.param.detach(), master_view(record))  # its master
         for name, p in self.reference.named_parameters():
             p.grad = grads[name].to(self.dtype).float() if name in grads else None
 
@@ -99,14 +101,14 @@ class _Pair:
                 # frozen parameters keep only their compute-dtype slot (no fp32 master)
                 assert torch.equal(compute, ref[name].detach().to(self.dtype)), name
                 continue
-            master = self.manager.master_view(record)
+            master = master_view(record)
             if atol:
                 torch.testing.assert_close(master, ref[name].detach(), rtol=0, atol=atol)
             else:
                 assert torch.equal(master, ref[name].detach()), name
             assert torch.equal(compute, master.to(self.dtype)), name
             assert record.slot.state is TensorState.HOLD
-            assert not record.slot_holds_grad and not record.grad_chunk_has_data
+            assert not record.grad_in_param_slot and not record.grad_in_grad_chunk
 
 
 def _params(m: Any) -> Any:
@@ -288,10 +290,10 @@ def test_parameters_without_grad_are_not_updated_and_get_no_state(name: str, dty
     options = {"fused": True} if name == "adam" else {"foreach": False}
     atol = 0.0 if name == "adam" else 1e-6
     pair = _Pair(OPTIMIZERS[name], dtype=dtype, reference_options=options)
-    before = pair.manager.master_view(pair.manager.record_of(pair.model[1].weight)).clone()
+    before = master_view(pair.manager.record_of(pair.model[1].weight)).clone()
     pair.step(pair.random_grads(skip=("1.weight",)))
     pair.assert_equal(atol=atol)
-    assert torch.equal(pair.manager.master_view(pair.manager.record_of(pair.model[1].weight)), before)
+    assert torch.equal(master_view(pair.manager.record_of(pair.model[1].weight)), before)
     state = pair.opt.state_dict()["state"]
     ref_state = pair.ref_opt.state_dict()["state"]
     assert sorted(state) == sorted(ref_state) == [0, 1, 3, 4, 5]
@@ -316,10 +318,10 @@ def test_frozen_parameters_in_the_optimizer_are_left_alone() -> None:
 def test_accumulated_gradients_are_summed_in_fp32(dtype: torch.dtype) -> None:
     pair = _Pair(OPTIMIZERS["sgd-momentum"], dtype=dtype)
     micro = [pair.random_grads() for _ in range(3)]
-    pair.manager.accumulating = True
+    pair.manager.micro_batch = MicroBatch.ACCUMULATING
     for grads in micro[:-1]:
         pair.feed(grads)
-    pair.manager.accumulating = False
+    pair.manager.micro_batch = MicroBatch.FINAL
     pair.feed(micro[-1])
     for name, p in pair.reference.named_parameters():
         p.grad = sum(g[name].to(dtype).float() for g in micro)  # type: ignore[assignment]
@@ -373,7 +375,7 @@ def test_inv_scale_unscales_fp16_gradients() -> None:
 def test_non_finite_gradient_skips_the_step(bad: float) -> None:
     pair = _Pair(OPTIMIZERS["adam"], dtype=torch.float16)
     weights = {n: p.detach().clone() for n, p in pair.model.named_parameters()}
-    masters = [pair.manager.master_view(r).clone() for r in pair.manager.records]
+    masters = [master_view(r).clone() for r in pair.manager.records]
     grads = pair.random_grads()
     grads["2.bias"][3] = bad
     pair.feed(grads)
@@ -381,8 +383,8 @@ def test_non_finite_gradient_skips_the_step(bad: float) -> None:
     pair.opt.step()
     assert pair.opt.last_step.skipped
     for record, master in zip(pair.manager.records, masters, strict=True):
-        assert torch.equal(pair.manager.master_view(record), master)
-        assert record.slot.state is TensorState.HOLD and not record.slot_holds_grad
+        assert torch.equal(master_view(record), master)
+        assert record.slot.state is TensorState.HOLD and not record.grad_in_param_slot
     for name, p in pair.model.named_parameters():
         assert torch.equal(p.detach(), weights[name]), name  # gradients in the slots were replaced by weights
     assert pair.opt.state_dict()["state"] == {}  # no Adam step counted
@@ -448,11 +450,11 @@ def test_state_dict_round_trip_into_a_fresh_engine(name: str, dtype: torch.dtype
     for _ in range(2):
         pair.step(pair.random_grads())
     saved = copy.deepcopy(pair.opt.state_dict())
-    weights = pair.manager.full_state_dict()
+    weights = full_state_dict(pair.manager)
 
     fresh_model = _mlp(seed=123)
     fresh_manager = _manager(fresh_model, dtype)
-    fresh_manager.load_full_state_dict(weights)
+    load_full_state_dict(fresh_manager, weights)
     fresh_user = OPTIMIZERS[name](fresh_model, {})
     for group in fresh_user.param_groups:
         group["lr"] = 123.0  # restored from the saved groups
@@ -467,7 +469,7 @@ def test_state_dict_round_trip_into_a_fresh_engine(name: str, dtype: torch.dtype
         fresh_manager.grad_ready(record, grads[record.names[0]].to(dtype))
     fresh.step()
     for a, b in zip(pair.manager.records, fresh_manager.records, strict=True):
-        assert torch.equal(pair.manager.master_view(a), fresh_manager.master_view(b)), a.names
+        assert torch.equal(master_view(a), master_view(b)), a.names
         assert torch.equal(a.param.detach(), b.param.detach())
 
 
@@ -476,7 +478,7 @@ def test_load_torch_optimizer_state_dict() -> None:
     pair = _Pair(OPTIMIZERS["adam"])
     pair.step(pair.random_grads())
     # bring the engine into the reference's state and weights, then step both
-    pair.manager.load_full_state_dict(pair.reference.state_dict())
+    load_full_state_dict(pair.manager, pair.reference.state_dict())
     pair.opt.load_state_dict(copy.deepcopy(pair.ref_opt.state_dict()))
     pair.step(pair.random_grads())
     pair.assert_equal()
@@ -545,4 +547,38 @@ def test_add_param_group_is_trained_or_refused() -> None:
         return
     pair.ref_opt.add_param_group({"params": list(pair.reference[1].parameters()), "lr": 0.05})
     pair.step(pair.random_grads())
+    pair.assert_equal()
+
+
+def test_torch_optimizer_hooks_registered_on_the_engine_run() -> None:
+    """Hooks go through torch's own tables (built by ``Optimizer.__init__``), so they run as on torch's optimizers."""
+    pair = _Pair(OPTIMIZERS["adam"])
+    calls: list[str] = []
+    handles = [
+        pair.opt.register_step_pre_hook(lambda opt, args, kwargs: calls.append("step_pre")),
+        pair.opt.register_step_post_hook(lambda opt, args, kwargs: calls.append("step_post")),
+        pair.opt.register_state_dict_pre_hook(lambda opt: calls.append("state_dict_pre")),
+        pair.opt.register_state_dict_post_hook(lambda opt, sd: {**sd, "extra": 1}),
+        pair.opt.register_load_state_dict_pre_hook(lambda opt, sd: calls.append("load_pre")),
+        pair.opt.register_load_state_dict_post_hook(lambda opt: calls.append("load_post")),
+    ]
+    global_pre = register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: calls.append("global_pre") if opt is pair.opt else None
+    )
+    try:
+        pair.step(pair.random_grads())
+        assert calls == ["global_pre", "step_pre", "step_post"]
+        pair.assert_equal()  # the hooks wrap the real step
+        saved = pair.opt.state_dict()
+        assert calls[-1] == "state_dict_pre" and saved["extra"] == 1
+        pair.opt.load_state_dict(saved)
+        assert calls[-2:] == ["load_pre", "load_post"]
+    finally:
+        global_pre.remove()
+        for handle in handles:
+            handle.remove()
+    calls.clear()
+    pair.step(pair.random_grads())
+    pair.opt.state_dict()
+    assert calls == []
     pair.assert_equal()

@@ -17,11 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pstar.runtime.chunk import ChunkKind
-from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.demos.gpt import GPT, GPTConfig, gpt_num_params
 from lightning_pstar.planning import CapacityPlan, bytes_per_element, main, plan_capacity
+from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.manager import ChunkManager
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT_SMALL = ROOT / "configs" / "model" / "gpt_small.yaml"
@@ -45,7 +46,7 @@ class _Tied(nn.Module):
         self.head.weight = self.emb.weight
 
 
-def _mlp() -> nn.Module:
+def _mlp() -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)])
 
 
@@ -73,7 +74,7 @@ def _engine_report(
     torch.manual_seed(0)
     manager = ChunkManager(
         factory(),
-        config=PStarConfig(chunk_size=chunk_size, device_memory_limit="1GiB", host_memory_limit="1GiB"),
+        config=PStarConfig.from_flat(chunk_size=chunk_size, device_memory_limit="1GiB", host_memory_limit="1GiB"),
         compute_dtype=_DTYPES[precision],
         device=torch.device("cpu"),
         precision=precision,
@@ -144,7 +145,9 @@ def test_cpu_embedding_keeps_untied_embeddings_out_of_the_chunks() -> None:
     torch.manual_seed(0)
     manager = ChunkManager(
         _Embedded(),
-        config=PStarConfig(chunk_size=96, device_memory_limit="1GiB", host_memory_limit="1GiB", cpu_embedding=True),
+        config=PStarConfig.from_flat(
+            chunk_size=96, device_memory_limit="1GiB", host_memory_limit="1GiB", cpu_embedding=True
+        ),
         compute_dtype=torch.bfloat16,
         device=torch.device("cpu"),
     )
@@ -165,6 +168,107 @@ def test_cpu_embedding_keeps_untied_embeddings_out_of_the_chunks() -> None:
         _Embedded, device_memory="1GiB", host_memory=plan.host_embedding_bytes - 1, chunk_size=96, cpu_embedding=True
     )
     assert not tight.fits and "host-resident embeddings" in tight.reasons[0]
+
+
+class _FakeComm:
+    """What ``ChunkManager``'s constructor reads of a communicator: this rank and the number of ranks. No process
+    group: the engines built with it are never materialised, so nothing is ever gathered or reduced."""
+
+    def __init__(self, world_size: int) -> None:
+        self.rank = 0
+        self.world_size = world_size
+        self.group = None
+        self.gathered_bytes = 0
+        self.reduced_bytes = 0
+
+
+def _engine_setup(
+    factory: Callable[[], nn.Module],
+    *,
+    device: int | str,
+    host: int | str,
+    world_size: int,
+    precision: str,
+    chunk_size: int | str,
+    cpu_embedding: bool,
+) -> ChunkManager:
+    """The engine's setup of ``factory()`` as rank 0 of ``world_size``: plans and checks the budgets, allocates
+    nothing."""
+    torch.manual_seed(0)
+    config = PStarConfig.from_flat(
+        chunk_size=chunk_size, device_memory_limit=device, host_memory_limit=host, cpu_embedding=cpu_embedding
+    )
+    return ChunkManager(
+        factory(),
+        config=config,
+        compute_dtype=_DTYPES[precision],
+        device=torch.device("cpu"),
+        precision=precision,
+        world_size=world_size,
+        comm=_FakeComm(world_size),  # type: ignore[arg-type]  # duck-typed
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("cpu_embedding", [False, True])
+@pytest.mark.parametrize(
+    ("factory", "precision", "chunk_size"),
+    [
+        (_Embedded, "bf16-mixed", 96),
+        (_frozen_tied, "16-mixed", "auto"),
+        (_tiny_gpt, "32-true", 1000),
+        (_tiny_gpt, "bf16-mixed", "auto"),
+    ],
+)
+def test_planner_figures_are_the_engines(
+    factory: Callable[[], nn.Module], precision: str, chunk_size: int | str, cpu_embedding: bool, world_size: int
+) -> None:
+    """Same model, same options: the planner's minimum device need and its module, model data per rank and host
+    need are the engine's setup figures, and the engine refuses exactly the budgets the planner says do not fit."""
+
+    def plan(device: int | str, host: int | str) -> CapacityPlan:
+        return plan_capacity(
+            factory,
+            device_memory=device,
+            host_memory=host,
+            world_size=world_size,
+            precision=precision,
+            chunk_size=chunk_size,
+            cpu_embedding=cpu_embedding,
+        )
+
+    def engine(device: int | str, host: int | str) -> ChunkManager:
+        return _engine_setup(
+            factory,
+            device=device,
+            host=host,
+            world_size=world_size,
+            precision=precision,
+            chunk_size=chunk_size,
+            cpu_embedding=cpu_embedding,
+        )
+
+    # a device budget of one module's chunks sends the rest of the model data to the host
+    device = plan(BIG, BIG).min_device_bytes
+    planned, manager = plan(device, BIG), engine(device, BIG)
+    assert planned.fits and planned.host_model_data_bytes > 0
+    assert (planned.chunk_size, planned.num_chunks) == (manager.layout.chunk_size, len(manager.layout.chunks))
+    assert planned.bytes_per_element == manager.bytes_per_element()
+    assert (planned.min_device_bytes, planned.min_device_module) == manager.min_device_bytes()
+    assert planned.model_data_bytes_per_rank == manager._model_data_bytes()
+    assert planned.host_embedding_params == sum(p.numel() for p in manager.host_params.values())
+    assert (planned.host_embedding_params > 0) == (cpu_embedding and factory is not _frozen_tied)
+    # the host need: the engine accepts it as the host budget and refuses one byte less, naming the same figure
+    host = planned.host_model_data_bytes
+    engine(device, host)
+    with pytest.raises(MemoryBudgetError, match=f"leaves {host:,} bytes"):
+        engine(device, host - 1)
+    assert plan(device, host).fits and not plan(device, host - 1).fits
+    if chunk_size != "auto":  # "auto" lays the model out anew for another device budget
+        need = planned.min_device_bytes
+        with pytest.raises(MemoryBudgetError, match=f"module '{planned.min_device_module}' needs .* of {need:,} bytes"):
+            engine(need - 1, BIG)
+        assert not plan(need - 1, BIG).fits_min_device
 
 
 def test_bytes_per_element_of_the_design() -> None:

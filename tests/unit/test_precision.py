@@ -12,10 +12,11 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
-from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.checkpoint import master_view
 from lightning_pstar.config import LossScaleConfig, PStarConfig
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import SUPPORTED_PRECISIONS, LossScaleUnderflowError, PatrickStarPrecision
+from lightning_pstar.runtime.manager import ChunkManager
 
 CPU = torch.device("cpu")
 
@@ -26,7 +27,7 @@ def _engine(dtype: torch.dtype, lr: float = 0.1) -> tuple[nn.Module, nn.Module, 
     reference = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     reference.load_state_dict(model.state_dict())
     manager = ChunkManager(
-        model, config=PStarConfig(chunk_size=32, placement="static"), compute_dtype=dtype, device=CPU
+        model, config=PStarConfig.from_flat(chunk_size=32, placement="static"), compute_dtype=dtype, device=CPU
     )
     manager.materialise()
     return model, reference, manager, ChunkedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), manager)
@@ -141,20 +142,20 @@ def test_fp16_step_unscales_gradients() -> None:
         for p in reference.parameters():
             p -= 0.1 * 0.25
     for record, ref in zip(manager.records, reference.parameters(), strict=True):
-        assert torch.equal(manager.master_view(record), ref.detach())
+        assert torch.equal(master_view(record), ref.detach())
     assert plugin.scale == 1024.0 and plugin.skipped_steps == 0
 
 
 def test_overflow_backs_off_and_skips() -> None:
     model, _, manager, opt = _engine(torch.float16)
-    masters = [manager.master_view(r).clone() for r in manager.records]
+    masters = [master_view(r).clone() for r in manager.records]
     plugin = _plugin("16-mixed", initial_scale=1024.0, backoff_factor=0.25)
     _step(plugin, manager, opt, grad=float("inf"))
     assert opt.last_step.skipped
     assert plugin.scale == 256.0
     assert plugin.skipped_steps == 1
     for record, master in zip(manager.records, masters, strict=True):
-        assert torch.equal(manager.master_view(record), master)
+        assert torch.equal(master_view(record), master)
         assert torch.equal(record.param.detach(), master.half())
 
 

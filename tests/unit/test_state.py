@@ -9,10 +9,12 @@ import pytest
 from lightning_pstar.runtime.state import (
     ALLOWED_TRANSITIONS,
     ChunkState,
+    GradLocation,
     InvalidTransitionError,
+    MicroBatch,
+    Phase,
     TensorState,
     Tier,
-    TrainingStage,
     check_transition,
 )
 
@@ -102,5 +104,13 @@ def test_other_forbidden_transitions_have_no_gradient_hint(pair: tuple[TensorSta
 def test_enums_are_string_valued() -> None:
     assert Tier("device") is Tier.DEVICE and Tier("host") is Tier.HOST
     assert {s.value for s in ChunkState} == {"released", "compute", "hold"}
-    assert TrainingStage("eval") is TrainingStage.EVAL
+    assert Phase("eval") is Phase.EVAL and Phase.BACKWARD.training and not Phase.EVAL.training
+    assert MicroBatch("accumulating") is MicroBatch.ACCUMULATING
     assert TensorState("hold_after_bwd") is TensorState.HOLD_AFTER_BWD
+
+
+def test_grad_location_combines_both_places() -> None:
+    both = GradLocation.PARAM_SLOT | GradLocation.GRAD_CHUNK
+    assert GradLocation.PARAM_SLOT in both and GradLocation.GRAD_CHUNK in both
+    assert GradLocation.PARAM_SLOT not in GradLocation.NONE and not GradLocation.NONE
+    assert both & ~GradLocation.PARAM_SLOT is GradLocation.GRAD_CHUNK

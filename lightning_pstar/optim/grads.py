@@ -1,0 +1,99 @@
+"""The gradients an optimizer step reads: fp32 and unscaled, from wherever the engine left them.
+
+:func:`grad_location_of` is the one place in optim that decodes where a record's gradient lives; everything
+else here and in the optimizer asks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+
+import torch
+
+from lightning_pstar.optim.kernels import WholeFamilyPlan
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.state import GradLocation
+
+__all__ = ["family_grads", "grad_location_of", "host_grads", "whole_family_grad_range"]
+
+
+def grad_location_of(record: ParamRecord) -> GradLocation:
+    """Where ``record``'s gradient for the coming step lives."""
+    return record.grad
+
+
+def family_grads(
+    family: ChunkFamily, in_optimizer: Container[int], *, mixed: bool, inv_scale: float
+) -> dict[int, torch.Tensor]:
+    """fp32, unscaled gradients of the family's records that have one and are in ``in_optimizer`` (record
+    indices), keyed by record index.
+
+    In 32-true these are views of the GRAD chunk (scaled copies when ``inv_scale`` is not 1); in mixed
+    precision fresh fp32 tensors built from the param slot (this micro-batch) plus the fp32 accumulation
+    slot (earlier micro-batches), so they may be scaled in place.
+    """
+    out: dict[int, torch.Tensor] = {}
+    grad_chunk = family.chunks.get(ChunkKind.GRAD)
+    for record in family.records:
+        if record.index not in in_optimizer:
+            continue
+        location = grad_location_of(record)
+        grad: torch.Tensor | None = None
+        if GradLocation.PARAM_SLOT in location:
+            grad = family.param_chunk.slot_view(record.slot).float()
+        if GradLocation.GRAD_CHUNK in location:
+            assert grad_chunk is not None
+            acc = grad_chunk.slot_view(record.slot)
+            if grad is not None:
+                grad = grad.add_(acc.to(grad.device))
+            else:
+                grad = acc.clone() if mixed else acc  # never scale the accumulation buffer in place
+        if grad is None:
+            continue
+        if inv_scale != 1.0:
+            grad = grad.mul_(inv_scale) if mixed else grad.mul(inv_scale)
+        out[record.index] = grad
+    return out
+
+
+def whole_family_grad_range(
+    family: ChunkFamily, plan: WholeFamilyPlan, *, mixed: bool, inv_scale: float
+) -> torch.Tensor | None:
+    """The fp32, unscaled gradients of the slot range ``plan`` covers, when every record holds exactly this
+    micro-batch's gradient (mixed precision: in the param slot, nothing accumulated; 32-true: in the GRAD
+    chunk); None otherwise. One conversion for the whole range; padding is only read into the temporary."""
+    for record in family.records:
+        location = grad_location_of(record)
+        if (location != GradLocation.PARAM_SLOT) if mixed else (GradLocation.GRAD_CHUNK not in location):
+            return None
+    if mixed:
+        grad_range = family.param_chunk.data[plan.start : plan.end].float()
+        if inv_scale != 1.0:
+            grad_range.mul_(inv_scale)
+        return grad_range
+    grad_range = family.chunks[ChunkKind.GRAD].data[plan.start : plan.end]
+    return grad_range.mul(inv_scale) if inv_scale != 1.0 else grad_range
+
+
+def host_grads(params: Sequence[torch.Tensor], comm: ChunkComm, inv_scale: float) -> dict[int, torch.Tensor]:
+    """Unscaled fp32 gradients of host-resident parameters (cpu_embedding), keyed by parameter id.
+
+    Host parameters are replicated on every rank: with several ranks their gradients are averaged like DDP
+    (a collective per parameter, so every rank passes the same ``params`` in the same order).
+    """
+    out: dict[int, torch.Tensor] = {}
+    for p in params:
+        if comm.distributed:
+            g = p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+            flag = torch.tensor([0.0 if p.grad is None else 1.0])
+            comm.all_reduce_max_(flag)
+            comm.all_reduce_sum_(g)
+            if flag.item() == 0.0:
+                continue
+            out[id(p)] = g.mul_(inv_scale / comm.world_size)
+        elif p.grad is not None:
+            g = p.grad.float()
+            out[id(p)] = g.mul_(inv_scale) if g is not p.grad else g.mul(inv_scale)
+    return out

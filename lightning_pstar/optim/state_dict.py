@@ -1,0 +1,271 @@
+"""The optimizer's state outside the chunks, and its state dicts in torch's layout.
+
+Adam's ``exp_avg``/``exp_avg_sq`` and SGD's momentum buffer live in the EXP_AVG / EXP_AVG_SQ chunks of each
+family; what does not fit a chunk (Adam's step counts, which SGD buffers have started, the state of
+host-resident parameters) is in an :class:`OptimizerBook`. :class:`ChunkedStateDict` turns both into
+torch's standard layout (``state`` by parameter index, ``param_groups``), consolidated from every rank, or
+into the flat tensors of the states one rank owns (a sharded checkpoint), and loads them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.manager import ChunkManager
+
+__all__ = ["ChunkedStateDict", "OptimizerBook", "ReadTensors"]
+
+ReadTensors = Callable[[dict[str, torch.Size]], Mapping[str, torch.Tensor]]
+"""Reads the named tensors (key -> shape) from a sharded store."""
+
+
+@dataclass(kw_only=True)
+class OptimizerBook:
+    """What the optimizer keeps per parameter beside the chunks."""
+
+    is_adam: bool  # Adam or AdamW (AdamW subclasses Adam); else SGD
+    group_of: dict[int, int] = field(default_factory=dict)
+    """Record index -> index of its param group (trainable records only)."""
+    host_group: dict[int, int] = field(default_factory=dict)
+    """id of a host-resident parameter (cpu_embedding) -> index of its param group."""
+    steps: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Adam: record index -> its step count (float32 scalar, on the tier of its state)."""
+    momentum_started: set[int] = field(default_factory=set)
+    """SGD: records whose momentum buffer holds a value."""
+    host_state: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """id of a host-resident parameter -> its optimizer state, by torch's names."""
+
+    def is_host(self, param: torch.Tensor) -> bool:
+        return id(param) in self.host_group
+
+    def record_step(self, record: ParamRecord) -> float:
+        """The record's step count (Adam), 0 for a started momentum buffer (SGD), -1 without state."""
+        if self.is_adam:
+            step = self.steps.get(record.index)
+            return -1.0 if step is None else float(step)
+        return 0.0 if record.index in self.momentum_started else -1.0
+
+    def step_tensor(self, record: ParamRecord, device: torch.device) -> torch.Tensor:
+        """The record's step count on ``device`` for the fused kernel to advance (0 before its first step)."""
+        step = self.steps.get(record.index)
+        if step is None:
+            step = torch.zeros((), dtype=torch.float32, device=device)
+        elif step.device != device:
+            step = step.to(device)
+        self.steps[record.index] = step
+        return step
+
+
+class ChunkedStateDict:
+    """torch-format optimizer state dicts from and into the chunks of ``manager``."""
+
+    def __init__(self, manager: ChunkManager, book: OptimizerBook, param_groups: list[dict[str, Any]]) -> None:
+        self._manager = manager
+        self._book = book
+        self._param_groups = param_groups  # the user's optimizer's list (shared, never replaced)
+        self._kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if book.is_adam else [ChunkKind.EXP_AVG]
+
+    def _ordered_params(self) -> list[tuple[int, Any]]:
+        """(index in torch's layout, parameter) over every group, in order."""
+        params = [p for group in self._param_groups for p in group["params"]]
+        return list(enumerate(params))
+
+    # ---- reading ------------------------------------------------------------------------------------------
+    def record_states(
+        self, *, rank0_only: bool = False, owned_only: bool = False
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Record index -> its optimizer state (CPU tensors, torch's names), for every record on every rank.
+
+        With several ranks each family's state comes from its owner (a broadcast per family, in order);
+        ``rank0_only`` streams it to rank 0 alone, ``owned_only`` reads only this rank's families (no
+        communication).
+        """
+        manager = self._manager
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for family in manager.families:
+            if not family.trainable or not family.records:
+                continue
+            owned = manager.owns(family)
+            if owned_only and not owned:
+                continue
+            if manager.comm.distributed and not owned_only:
+                source = self._from_owner(family, owned=owned, rank0_only=rank0_only)
+                if source is None:
+                    continue  # rank0_only, and this is not rank 0
+                chunks, steps = source
+            else:
+                chunks = {k: family.chunks[k].data for k in self._kinds if owned and k in family.chunks}
+                steps = [self._book.record_step(r) for r in family.records]
+            for record, step in zip(family.records, steps, strict=True):
+                if step >= 0:
+                    out[record.index] = self._entry(record, chunks, step)
+        return out
+
+    def _from_owner(
+        self, family: ChunkFamily, *, owned: bool, rank0_only: bool
+    ) -> tuple[dict[ChunkKind, torch.Tensor], list[float]] | None:
+        """The family's state chunks and step counts, sent by its owner (None on ranks that get nothing)."""
+        manager = self._manager
+        kinds = self._kinds
+        # the owner packs [states..., steps] so one collective carries the family
+        width = len(kinds) * family.capacity + len(family.records)
+        packed = torch.zeros(width, dtype=torch.float32, device=manager.device)
+        if owned:
+            present = [k for k in kinds if k in family.chunks]
+            for i, kind in enumerate(present):
+                packed[i * family.capacity : (i + 1) * family.capacity].copy_(family.chunks[kind].data)
+            steps = [self._book.record_step(r) for r in family.records]
+            packed[len(kinds) * family.capacity :].copy_(torch.tensor(steps, dtype=torch.float32))
+        owner = family.family_id % manager.world_size
+        if rank0_only:
+            manager.comm.to_rank0_(packed, src=owner)
+            if manager.rank != 0:
+                return None
+        else:
+            manager.comm.broadcast_(packed, src=owner)
+        packed = packed.cpu()
+        chunks = {k: packed[i * family.capacity : (i + 1) * family.capacity] for i, k in enumerate(kinds)}
+        return chunks, packed[len(kinds) * family.capacity :].tolist()
+
+    def _entry(self, record: ParamRecord, chunks: dict[ChunkKind, torch.Tensor], step: float) -> dict[str, Any]:
+        """One record's state in torch's names, copied to CPU from ``chunks`` (1-D family buffers)."""
+        sl = slice(record.slot.offset, record.slot.offset + record.slot.numel)
+        shape = record.slot.shape
+        if self._book.is_adam:
+            return {
+                "step": torch.tensor(step, dtype=torch.float32),
+                "exp_avg": chunks[ChunkKind.EXP_AVG][sl].view(shape).to("cpu", copy=True),
+                "exp_avg_sq": chunks[ChunkKind.EXP_AVG_SQ][sl].view(shape).to("cpu", copy=True),
+            }
+        return {"momentum_buffer": chunks[ChunkKind.EXP_AVG][sl].view(shape).to("cpu", copy=True)}
+
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """torch's layout (``state`` by parameter index, ``param_groups``), consolidated from every rank.
+
+        ``rank0_only`` (what checkpoints use) streams the states to rank 0; other ranks get empty states.
+        """
+        manager = self._manager
+        book = self._book
+        record_states = self.record_states(rank0_only=rank0_only)
+        state: dict[int, dict[str, Any]] = {}
+        for index, p in self._ordered_params():
+            if book.is_host(p):
+                if book.host_state.get(id(p)):
+                    state[index] = {k: v.detach().to("cpu", copy=True) for k, v in book.host_state[id(p)].items()}
+                continue
+            entry = record_states.get(manager.record_of(p).index)
+            if entry is not None:
+                state[index] = entry
+        groups = []
+        start = 0
+        for group in self._param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def owned_state_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """``<prefix><index>/<field>`` -> tensor for the states this rank owns (a sharded save)."""
+        manager = self._manager
+        book = self._book
+        states = self.record_states(owned_only=True)
+        out: dict[str, torch.Tensor] = {}
+        for index, p in self._ordered_params():
+            if book.is_host(p):
+                if manager.rank == 0:
+                    for name, value in book.host_state.get(id(p), {}).items():
+                        out[f"{prefix}{index}/{name}"] = value.detach().to("cpu", copy=True).reshape(-1)
+                continue
+            entry = states.get(manager.record_of(p).index)
+            for name, value in (entry or {}).items():
+                out[f"{prefix}{index}/{name}"] = value.reshape(-1) if name == "step" else value
+        return out
+
+    def read_owned_state(
+        self, stored: dict[str, torch.Size], prefix: str, read: ReadTensors
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """The ``state`` part of torch's layout for the parameters this rank owns, read from a sharded store
+        whose keys (and shapes) are ``stored`` (the inverse of :meth:`owned_state_tensors`)."""
+        manager = self._manager
+        wanted: dict[str, torch.Size] = {}
+        for index, p in self._ordered_params():
+            if not (self._book.is_host(p) or manager.owns(manager.record_of(p).family)):
+                continue
+            for key, shape in stored.items():
+                if key.startswith(f"{prefix}{index}/"):
+                    wanted[key] = shape
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in read(wanted).items():
+            position, name = key[len(prefix) :].split("/")
+            state.setdefault(int(position), {})[name] = value.reshape(()) if name == "step" else value
+        return state
+
+    # ---- loading ------------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict in torch's layout: everything is validated before anything changes."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or "state" not in state_dict:
+            raise ValueError("optimizer state_dict must have 'state' and 'param_groups' (torch's layout)")
+        self._check_groups(groups)
+        saved_index = [i for g in groups for i in g["params"]]
+        updates: list[tuple[ParamRecord, dict[str, Any]]] = []
+        host_updates: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        for (_pos, p), key in zip(self._ordered_params(), saved_index, strict=True):
+            entry = state_dict["state"].get(key)
+            if entry is None:
+                continue
+            if self._book.is_host(p):
+                host_updates.append((p, entry))
+                continue
+            record = self._manager.record_of(p)
+            for name, value in entry.items():
+                if name != "step" and tuple(value.shape) != tuple(record.slot.shape):
+                    raise ValueError(
+                        f"optimizer state '{name}' of parameter '{record.slot.name}' has shape"
+                        f" {tuple(value.shape)}, expected {tuple(record.slot.shape)}."
+                    )
+            updates.append((record, entry))
+        # validated: now change state
+        for saved, mine in zip(groups, self._param_groups, strict=True):
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+        for p, entry in host_updates:
+            self._book.host_state[id(p)] = {
+                k: torch.as_tensor(v, dtype=torch.float32).to(p.device).clone() for k, v in entry.items()
+            }
+        with torch.no_grad():
+            for record, entry in updates:
+                if self._manager.owns(record.family):  # else its owner loads it
+                    self._load_record(record, entry)
+
+    def _check_groups(self, groups: list[Any]) -> None:
+        if len(groups) != len(self._param_groups):
+            raise ValueError(
+                f"optimizer state has {len(groups)} param groups, this optimizer has {len(self._param_groups)}."
+                " HINT: configure_optimizers must build the same groups as the run that saved it."
+            )
+        for gi, (saved, mine) in enumerate(zip(groups, self._param_groups, strict=True)):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(
+                    f"param group {gi}: the saved state has {len(saved['params'])} parameters, this optimizer"
+                    f" has {len(mine['params'])}."
+                )
+
+    def _load_record(self, record: ParamRecord, entry: dict[str, Any]) -> None:
+        family = record.family
+        if "exp_avg" in entry:
+            family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).copy_(entry["exp_avg"])
+            family.chunks[ChunkKind.EXP_AVG_SQ].slot_view(record.slot).copy_(entry["exp_avg_sq"])
+            device = family.chunks[ChunkKind.EXP_AVG].data.device
+            self._book.steps[record.index] = torch.as_tensor(entry["step"], dtype=torch.float32).to(device).clone()
+        if "momentum_buffer" in entry and entry["momentum_buffer"] is not None:
+            family.chunks[ChunkKind.EXP_AVG].slot_view(record.slot).copy_(entry["momentum_buffer"])
+            self._book.momentum_started.add(record.index)

@@ -1,0 +1,297 @@
+"""What a model needs: which parameters go where, bytes per element per chunk kind, what one module needs
+resident, and what the model data needs per tier.
+
+Pure functions over a module, a :class:`~lightning_pstar.planning.layout.Layout` and numbers: the engine
+(:class:`~lightning_pstar.runtime.manager.ChunkManager`) calls them at setup and the capacity planner
+(:mod:`lightning_pstar.planning.capacity`) calls them before training, so every figure both compute is the
+same function's result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from torch import nn
+
+from lightning_pstar.planning.layout import Layout, ParamSpec, group_of, owner_of, plan_layout, search_chunk_size
+from lightning_pstar.report import format_bytes
+
+__all__ = [
+    "BytesPerElement",
+    "MemoryBudgetError",
+    "TierNeed",
+    "check_budgets",
+    "chunk_layout",
+    "collect_parameters",
+    "host_embeddings",
+    "min_device_bytes",
+    "module_parameters",
+    "tier_need",
+]
+
+log = logging.getLogger(__name__)
+
+
+class MemoryBudgetError(ValueError):
+    """The chunks needed at one moment do not fit the tier budgets (a budget option is too small)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BytesPerElement:
+    """Bytes the engine allocates per chunk element of each chunk kind of a family."""
+
+    param: int
+    """Param chunk in the compute dtype (every family, frozen ones too)."""
+    master: int
+    """fp32 master chunk (mixed precision, trainable families)."""
+    grad: int
+    """fp32 grad chunk: 32-true always, mixed precision only when accumulating gradients."""
+    optimizer: int
+    """Optimizer-state chunks (Adam: exp_avg + exp_avg_sq; SGD with momentum: one buffer)."""
+    frozen_master: int = 0
+    """fp32 copy of a frozen family's weights on the host (mixed precision, ``frozen_master=True``)."""
+
+    @property
+    def trainable(self) -> int:
+        return self.param + self.master + self.grad + self.optimizer
+
+    @property
+    def frozen(self) -> int:
+        return self.param + self.frozen_master
+
+    @classmethod
+    def of_run(
+        cls, *, compute_itemsize: int, optimizer: int, accumulates: bool = False, frozen_master: bool = True
+    ) -> BytesPerElement:
+        """What ``ChunkManager.materialise`` plus ``add_optimizer_chunks`` allocate per element: mixed
+        precision (a compute itemsize below 4) adds an fp32 master; 32-true always has an fp32 grad chunk,
+        mixed precision only when it sums micro-batch gradients (``accumulates``)."""
+        mixed = compute_itemsize < 4
+        return cls(
+            param=compute_itemsize,
+            master=4 if mixed else 0,
+            grad=4 if (not mixed or accumulates) else 0,
+            optimizer=optimizer,
+            frozen_master=4 if mixed and frozen_master else 0,
+        )
+
+
+def host_embeddings(module: nn.Module, *, for_training: bool = True) -> dict[str, nn.Parameter]:
+    """``cpu_embedding``: the embedding weights that stay fp32 on HOST, outside the chunks, by name.
+
+    Every ``nn.Embedding`` weight not shared with another module: a weight tied to an output head computes on
+    the device too and stays in the chunks (logged, never silent). ``for_training`` (the engine) refuses a
+    meta-device embedding, whose values would be lost; the planner prices meta models and passes False.
+    """
+    uses: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(param), []).append(name)
+    out: dict[str, nn.Parameter] = {}
+    for name, mod in module.named_modules():
+        if not isinstance(mod, nn.Embedding):
+            continue
+        names = uses[id(mod.weight)]
+        if len(names) > 1:
+            if for_training:
+                log.warning(
+                    "cpu_embedding: '%s' is shared with %s and stays in the chunks (a tied weight is used on the"
+                    " device too).",
+                    names[0],
+                    names[1:],
+                )
+            continue
+        if for_training and mod.weight.is_meta:
+            raise ValueError(
+                f"cpu_embedding: embedding '{name}' was built on the meta device. HINT: build embeddings in"
+                " `__init__`, or set cpu_embedding=False."
+            )
+        out[names[0]] = cast(nn.Parameter, mod.weight)
+    return out
+
+
+FUNCTIONAL_CHILDREN: dict[type[nn.Module], tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+"""Modules whose forward uses the parameters of these children without calling them: torch's
+``nn.MultiheadAttention`` passes ``out_proj.weight``/``bias`` to ``F.multi_head_attention_forward``, so
+``out_proj``'s own forward (and its hooks) never run ([Note: weights used by another module's forward])."""
+
+
+def module_parameters(module: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
+    """The parameters each module's forward computes with: its direct ones, plus the parameters of children it
+    uses without calling them (:data:`FUNCTIONAL_CHILDREN`). Their chunks must be resident in its moment."""
+    out: dict[nn.Module, list[nn.Parameter]] = {}
+    for mod in module.modules():
+        params = [p for p in mod.parameters(recurse=False)]
+        for cls, children in FUNCTIONAL_CHILDREN.items():
+            if isinstance(mod, cls):
+                for name in children:
+                    child = getattr(mod, name, None)
+                    if isinstance(child, nn.Module):
+                        params += [p for p in child.parameters() if all(p is not q for q in params)]
+        if params:
+            out[mod] = cast(list[nn.Parameter], params)
+    return out
+
+
+def collect_parameters(module: nn.Module, exclude: set[int]) -> list[tuple[nn.Parameter, list[str]]]:
+    """Unique parameters in module order with every name each has (tied weights have several); parameters
+    whose id is in ``exclude`` (host-resident embeddings) are left out."""
+    seen: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in exclude:
+            continue
+        if id(param) in seen:
+            seen[id(param)][1].append(name)
+            continue
+        if not param.is_floating_point():
+            raise ValueError(
+                f"Parameter '{name}' has dtype {param.dtype}; PatrickStar chunks hold floating-point"
+                " parameters only. HINT: register integer tensors as buffers (`register_buffer`)."
+            )
+        seen[id(param)] = (param, [name])
+    return list(seen.values())
+
+
+def chunk_layout(
+    named: Sequence[tuple[nn.Parameter, list[str]]],
+    *,
+    chunk_elements: int | None,
+    device_budget: int | None,
+    compute_itemsize: int,
+    world_size: int,
+) -> Layout:
+    """The chunk layout of the parameters :func:`collect_parameters` returned, each under its first name,
+    trainable and frozen ones in separate families. ``chunk_elements=None`` ("auto") searches the chunk size
+    that suits ``device_budget`` (None: unlimited)."""
+    specs = [ParamSpec(name=names[0], numel=p.numel(), trainable=p.requires_grad) for p, names in named]
+    if chunk_elements is None:
+        return search_chunk_size(
+            specs, device_budget_bytes=device_budget, compute_itemsize=compute_itemsize, world_size=world_size
+        )
+    return plan_layout(specs, chunk_elements, world_size=world_size)
+
+
+def min_device_bytes(
+    module: nn.Module, layout: Layout, param_index: Mapping[int, int], *, itemsize: int, world_size: int = 1
+) -> tuple[int, str]:
+    """Bytes of param chunks one module's forward needs resident at once, and the module's name.
+
+    A module's own parameters stay in use while its children run, so each module counts the chunks of its
+    ancestors' direct parameters too. With several ranks a chunk arrives with its whole communication group,
+    so groups are counted. ``param_index`` maps ``id(parameter)`` to its index in the layout (parameters
+    outside the chunks are left out).
+    """
+    group_bytes: dict[int, int] = {}
+    for chunk in layout.chunks:
+        group = group_of(chunk.chunk_id, world_size)
+        group_bytes[group] = group_bytes.get(group, 0) + chunk.capacity * itemsize
+    worst, worst_name = 0, ""
+    uses = module_parameters(module)
+
+    def visit(mod: nn.Module, name: str, inherited: frozenset[int]) -> None:
+        nonlocal worst, worst_name
+        own = {
+            group_of(layout.param_chunk[param_index[id(p)]], world_size)
+            for p in uses.get(mod, [])
+            if id(p) in param_index  # host-resident embeddings have no chunk
+        }
+        groups = inherited | own
+        need = sum(group_bytes[g] for g in groups)
+        if need > worst:
+            worst, worst_name = need, name or "<root>"
+        for child_name, child in mod.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, groups)
+
+    visit(module, "", frozenset())
+    return worst, worst_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierNeed:
+    """Model data of the rank that owns the most, and how it splits between the tiers."""
+
+    per_rank: int
+    """Chunk bytes of every family the rank owns (chunk ``i`` is owned by rank ``i % world_size``)."""
+    frozen_master: int
+    """Of which fp32 copies of frozen weights, which never go to the device."""
+    device: int
+    """What the device budget can take: everything but the frozen copies, up to the budget."""
+    host: int
+    """The rest, plus host-resident embeddings (``cpu_embedding``)."""
+
+
+def tier_need(
+    layout: Layout,
+    bpe: BytesPerElement,
+    *,
+    world_size: int,
+    device_budget: int | None,
+    host_embedding_bytes: int = 0,
+) -> TierNeed:
+    """Where the model data of the fullest rank goes when the device keeps as much as its budget allows
+    (``device_budget=None``: unlimited)."""
+    owned = [0] * world_size
+    frozen = [0] * world_size
+    for chunk in layout.chunks:
+        rank = owner_of(chunk.chunk_id, world_size)
+        owned[rank] += chunk.capacity * (bpe.trainable if chunk.trainable else bpe.frozen)
+        if not chunk.trainable:
+            frozen[rank] += chunk.capacity * bpe.frozen_master
+    per_rank, frozen_master = max(owned), max(frozen)
+    movable = per_rank - frozen_master
+    device = movable if device_budget is None else min(movable, device_budget)
+    return TierNeed(
+        per_rank=per_rank,
+        frozen_master=frozen_master,
+        device=device,
+        host=host_embedding_bytes + frozen_master + movable - device,
+    )
+
+
+def host_embedding_bytes(params: Mapping[str, nn.Parameter], *, optimizer: int) -> int:
+    """fp32 weight, fp32 gradient and optimizer states of each trainable host-resident embedding (every rank
+    keeps a replica); a frozen one is its fp32 weight only."""
+    return sum(p.numel() * (4 + 4 + optimizer if p.requires_grad else 4) for p in params.values())
+
+
+def check_budgets(
+    *,
+    need: int,
+    where: str,
+    tiers: TierNeed,
+    device_budget: int | None,
+    host_budget: int,
+    static_fraction: float | None,
+) -> None:
+    """Refuse at setup, with the numbers per tier, a model whose chunks cannot fit: one module's chunks
+    (``need`` bytes, module ``where``) above the device budget (or above the static share of it:
+    ``static_fraction`` is given only under ``placement='static'``), or model data above the two tiers."""
+    if device_budget is not None and need > device_budget:
+        raise MemoryBudgetError(
+            f"device_memory_limit is too small: module '{where}' needs parameter chunks of"
+            f" {format_bytes(need, exact=True)} resident at once for its forward, but the device budget is"
+            f" {format_bytes(device_budget, exact=True)}. The budget covers chunks and, under placement='auto', the"
+            " non-model memory (activations) the warm-up measures as well; under 'static', chunks get"
+            f" static_chunk_fraction of it. HINT: raise device_memory_limit to at least {need} bytes plus the"
+            " activations' peak, or use a smaller chunk_size."
+        )
+    if static_fraction is not None and device_budget is not None and need > device_budget * static_fraction:
+        share = format_bytes(int(device_budget * static_fraction), exact=True)
+        raise MemoryBudgetError(
+            f"placement='static' gives chunks {share} (static_chunk_fraction={static_fraction} of the"
+            f" {format_bytes(device_budget, exact=True)} device budget), but module '{where}' needs"
+            f" {format_bytes(need, exact=True)} of chunks resident at once. HINT: raise device_memory_limit or"
+            " static_chunk_fraction, use a smaller chunk_size, or use placement='auto', which gives chunks the"
+            " room activations leave at each moment."
+        )
+    if tiers.host > host_budget:
+        raise MemoryBudgetError(
+            f"model data does not fit: this rank needs {format_bytes(tiers.per_rank, exact=True)} of chunks"
+            " (params, fp32 masters/grads and optimizer states); the device can take"
+            f" {format_bytes(tiers.device, exact=True)} (device budget {format_bytes(device_budget, exact=True)}),"
+            f" which leaves {format_bytes(tiers.host, exact=True)} for the host, but host_memory_limit is"
+            f" {format_bytes(host_budget, exact=True)}. HINT: raise host_memory_limit or device_memory_limit, or"
+            " train on more ranks."
+        )

@@ -1,0 +1,132 @@
+"""Chunk families, parameter records and the table from parameters to slots.
+
+A :class:`ChunkFamily` is one param chunk and its optimizer-side chunks (fp32 master, gradient, optimizer
+states), all with the same slots. A :class:`ParamRecord` is one unique parameter: its family, its slot and
+where its gradient lives. The :class:`ParamTable` is the side table keyed by parameter identity (never an
+attribute stuck on the parameter) and by module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_pstar.planning.layout import Layout
+from lightning_pstar.planning.requirements import module_parameters
+from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
+from lightning_pstar.runtime.state import GradLocation, TensorState
+
+__all__ = ["ChunkFamily", "ParamRecord", "ParamTable"]
+
+
+@dataclass(kw_only=True, eq=False)
+class ParamRecord:
+    """Side-table entry of one unique parameter (keyed by the parameter, never stored on it)."""
+
+    index: int  # position in the layout's parameter order
+    param: nn.Parameter
+    names: list[str]  # every name of the parameter in the model (tied weights have several)
+    trainable: bool
+    orig_dtype: torch.dtype
+    family: ChunkFamily
+    slot: Slot
+    grad: GradLocation = GradLocation.NONE  # where this step's gradient lives
+
+    @property
+    def has_grad(self) -> bool:
+        return bool(self.grad)
+
+    @property
+    def grad_in_param_slot(self) -> bool:
+        """Mixed precision chunk reuse: the param slot holds the gradient, not the weight."""
+        return GradLocation.PARAM_SLOT in self.grad
+
+    @property
+    def grad_in_grad_chunk(self) -> bool:
+        return GradLocation.GRAD_CHUNK in self.grad
+
+    def set_state(self, new: TensorState) -> None:
+        self.slot.set_state(new, chunk_id=self.family.family_id)
+
+
+@dataclass(kw_only=True, eq=False)
+class ChunkFamily:
+    """A param chunk and its optimizer-side chunks, all with the same layout (``slots``)."""
+
+    family_id: int
+    trainable: bool
+    capacity: int  # elements
+    slots: list[Slot]
+    chunks: dict[ChunkKind, Chunk] = field(default_factory=dict)
+    records: list[ParamRecord] = field(default_factory=list)
+
+    @property
+    def param_chunk(self) -> Chunk:
+        return self.chunks[ChunkKind.PARAM]
+
+    def has_grads(self) -> bool:
+        return any(r.grad for r in self.records)
+
+
+class ParamTable:
+    """Every family and record of one model, by family id, by parameter identity and by module."""
+
+    def __init__(self, module: nn.Module, layout: Layout, named: Sequence[tuple[nn.Parameter, list[str]]]) -> None:
+        self.families: list[ChunkFamily] = []
+        for plan in layout.chunks:
+            slots = [
+                Slot(name=named[i][1][0], offset=off, numel=named[i][0].numel(), shape=named[i][0].shape)
+                for i, off in zip(plan.members, plan.offsets, strict=True)
+            ]
+            family = ChunkFamily(family_id=plan.chunk_id, trainable=plan.trainable, capacity=plan.capacity, slots=slots)
+            self.families.append(family)
+            for i, slot in zip(plan.members, slots, strict=True):
+                param, names = named[i]
+                family.records.append(
+                    ParamRecord(
+                        index=i,
+                        param=param,
+                        names=names,
+                        trainable=param.requires_grad,
+                        orig_dtype=param.dtype,
+                        family=family,
+                        slot=slot,
+                    )
+                )
+        self.records: list[ParamRecord] = sorted((r for f in self.families for r in f.records), key=lambda r: r.index)
+        self.by_id: dict[int, ParamRecord] = {id(r.param): r for r in self.records}
+        # the records each module's forward computes with (its own, and those of children it uses functionally)
+        self.module_records: dict[nn.Module, list[ParamRecord]] = {}
+        for mod, params in module_parameters(module).items():
+            used = [self.by_id[id(p)] for p in params if id(p) in self.by_id]
+            if used:
+                self.module_records[mod] = used
+
+    def direct_records(self, mod: nn.Module) -> list[ParamRecord]:
+        """The records of ``mod``'s own parameters (not of children it uses)."""
+        return [self.by_id[id(p)] for p in mod.parameters(recurse=False) if id(p) in self.by_id]
+
+    def record_of(self, param: torch.Tensor) -> ParamRecord:
+        """The side-table entry of ``param``."""
+        record = self.by_id.get(id(param))
+        if record is None or record.param is not param:
+            raise KeyError("this parameter is not managed by PatrickStar (was it added after setup?)")
+        return record
+
+    def replace_parameter(self, module: nn.Module, record: ParamRecord, new: nn.Parameter) -> None:
+        """Swap the record's parameter for ``new`` in every module that holds it (tied weights included)."""
+        old = record.param
+        for mod in module.modules():
+            for name, p in mod._parameters.items():
+                if p is old:
+                    mod._parameters[name] = new
+        del self.by_id[id(old)]
+        record.param = new
+        self.by_id[id(new)] = record
+
+    def iter_chunks(self) -> Iterator[Chunk]:
+        for family in self.families:
+            yield from family.chunks.values()

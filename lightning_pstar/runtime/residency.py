@@ -1,0 +1,250 @@
+"""Residency: which tier holds each chunk's bytes, within the two budgets.
+
+:class:`Residency` allocates chunks, fetches param chunks to the device, evicts the victims the placement
+policy chooses, prefetches what the trace says comes next, checks the host budget before every byte lands
+there, and keeps every parameter pointing at its slot in the buffer of the tier that holds its chunk
+([Note: storage identity] in ``chunk.py``). Policies decide; this object performs the moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.report import format_bytes
+from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.placement import PlacementPolicy
+from lightning_pstar.runtime.state import Tier
+
+__all__ = ["Residency"]
+
+log = logging.getLogger(__name__)
+
+
+class Residency:
+    """Places the chunks of one model's families between DEVICE and HOST."""
+
+    def __init__(
+        self,
+        families: list[ChunkFamily],
+        *,
+        device: torch.device,
+        device_budget: int | None,
+        host_budget: int,
+        policy: PlacementPolicy,
+        min_device_bytes: int,
+        owns: Callable[[ChunkFamily], bool],
+    ) -> None:
+        self.families = families
+        self.device = device
+        self.device_budget = device_budget
+        self.host_budget = host_budget
+        self.policy = policy
+        self.min_device_bytes = min_device_bytes  # one module's chunks: the least room chunks ever get
+        self.owns = owns
+        self.stats = TransferStats()
+        self.optimizer_tier = Tier.DEVICE  # where optimizer-side chunks start (set by the manager at setup)
+        # families whose param chunk must stay where it is: send buffers of in-flight gathers (sharding)
+        self.pinned: set[int] = set()
+        self.repoint = False  # parameters follow their chunk's moves (off while materialising)
+        self._tick = 0
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches copy on this stream
+
+    # ---- chunks ------------------------------------------------------------------------------------------
+    def new_chunk(self, family: ChunkFamily, kind: ChunkKind, dtype: torch.dtype) -> Chunk:
+        chunk = Chunk(
+            chunk_id=family.family_id,
+            kind=kind,
+            dtype=dtype,
+            capacity=family.capacity,
+            slots=family.slots,
+            device=self.device,
+            stats=self.stats,
+        )
+        family.chunks[kind] = chunk
+        return chunk
+
+    def allocate_optimizer_side(self, chunk: Chunk) -> None:
+        """Give an fp32 master/gradient/state chunk storage on the optimizer's tier."""
+        if self.optimizer_tier is Tier.DEVICE:
+            self.ensure_device_room(chunk.nbytes, protect=set())
+        else:
+            self.check_host_room(chunk.nbytes)
+        chunk.allocate(self.optimizer_tier)
+
+    def allocate_on_host(self, chunk: Chunk) -> None:
+        self.check_host_room(chunk.nbytes)
+        chunk.allocate(Tier.HOST)
+
+    def device_used(self) -> int:
+        return self.stats.per_tier_bytes[Tier.DEVICE]
+
+    def chunk_room(self) -> int | None:
+        """Bytes chunks may occupy on the device now (None: unlimited)."""
+        return self.policy.chunk_room(self.device_budget, self.min_device_bytes)
+
+    # ---- parameters --------------------------------------------------------------------------------------
+    def point_at_chunk(self, record: ParamRecord) -> None:
+        """Point the parameter at its slot in the buffer of the tier that holds its chunk.
+
+        See [Note: storage identity] in ``chunk.py``: parameters move between the two storages of their
+        chunk only when the chunk moves, which never happens while a module computes with it. While the
+        param slot holds the gradient (mixed precision, between backward and the step) the parameter
+        points at its fp32 master instead, so that reading it gives the weight, never the gradient.
+        """
+        family = record.family
+        chunk = family.param_chunk
+        if record.grad_in_param_slot and ChunkKind.MASTER in family.chunks:
+            chunk = family.chunks[ChunkKind.MASTER]
+        slot = record.slot
+        record.param.data = chunk.buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
+        """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.
+
+        ``asynchronous`` (a prefetch on CUDA) copies on a side stream; the chunk waits for it on access.
+        """
+        chunk = family.param_chunk
+        if chunk.tier is tier:
+            return
+        if tier is Tier.HOST:
+            self.check_host_room(chunk.nbytes)
+        stream = None
+        if asynchronous and self.device.type == "cuda":
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            stream = self._copy_stream
+        chunk.move_to(tier, stream=stream)
+        if self.repoint:
+            for record in family.records:
+                self.point_at_chunk(record)
+
+    # ---- budgets -----------------------------------------------------------------------------------------
+    def ensure_device_room(self, nbytes: int, *, protect: set[int]) -> None:
+        """Evict the policy's victims until ``nbytes`` more fit the room chunks have now."""
+        room = self.chunk_room()
+        if room is None:
+            return
+        missing = self.device_used() + nbytes - room
+        if missing <= 0:
+            return
+        protect = protect | self.pinned
+        candidates = [
+            f.param_chunk
+            for f in self.families
+            if f.family_id not in protect
+            and ChunkKind.PARAM in f.chunks
+            and f.param_chunk.tier is Tier.DEVICE
+            and self.owns(f)  # remote chunks are released, never evicted
+        ]
+        victims = self.policy.victims(candidates, missing)
+        if sum(v.nbytes for v in victims) < missing:
+            in_use = [f.family_id for f in self.families if f.family_id in protect]
+            raise MemoryBudgetError(
+                f"cannot make room for {format_bytes(nbytes, exact=True)} on the device:"
+                f" {format_bytes(self.device_used(), exact=True)} of the {format_bytes(room, exact=True)} chunks"
+                f" may use now are held by chunks in use (families {in_use}) or not evictable. HINT: raise"
+                " device_memory_limit or lower chunk_size."
+            )
+        for victim in victims:
+            self.check_host_room(victim.nbytes)
+            self.move_param_chunk(self.families[victim.chunk_id], Tier.HOST)
+            self.stats.evictions += 1
+
+    def check_host_room(self, nbytes: int) -> None:
+        used = self.stats.per_tier_bytes[Tier.HOST]
+        if used + nbytes > self.host_budget:
+            raise MemoryBudgetError(
+                f"host budget exceeded: {format_bytes(used, exact=True)} in use, {format_bytes(nbytes, exact=True)}"
+                f" more needed, budget {format_bytes(self.host_budget, exact=True)}. HINT: raise host_memory_limit."
+            )
+
+    # ---- access ------------------------------------------------------------------------------------------
+    def fetch(self, family: ChunkFamily, *, protect: set[int]) -> None:
+        """Make ``family``'s param chunk resident on DEVICE, evicting others if the budget requires."""
+        chunk = family.param_chunk
+        self._tick += 1
+        self.policy.touch(chunk, self._tick)
+        if chunk.tier is Tier.DEVICE:
+            chunk.wait()  # a prefetch may still be in flight
+            return
+        self.ensure_device_room(chunk.nbytes, protect=protect | {family.family_id})
+        self.move_param_chunk(family, Tier.DEVICE)
+
+    def prefetch(self) -> None:
+        """Fetch the next moment's chunks ahead of time when they fit without evicting anything."""
+        wanted = [
+            fid
+            for fid in self.policy.prefetch()
+            if self.owns(self.families[fid]) and self.families[fid].param_chunk.tier is not Tier.DEVICE
+        ]
+        if not wanted:
+            return
+        # the chunks fetched now must fit this moment's room and the next one's
+        room = self.chunk_room()
+        room_next = self.policy.next_chunk_room(self.device_budget, self.min_device_bytes)
+        if room is not None and room_next is not None:
+            room = min(room, room_next)
+        for fid in wanted:
+            chunk = self.families[fid].param_chunk
+            if room is not None and self.device_used() + chunk.nbytes > room:
+                return
+            if chunk.tier is Tier.HOST:
+                with torch.profiler.record_function("pstar::prefetch"):
+                    self.move_param_chunk(self.families[fid], Tier.DEVICE, asynchronous=True)
+                self.stats.prefetches += 1
+
+    # ---- the optimizer's side ----------------------------------------------------------------------------
+    def plan_hybrid_optimizer(self, peak_non_model: int) -> None:
+        """Keep whole optimizer-state families on the device as far as the margin at the step allows."""
+        assert self.device_budget is not None
+        params = sum(f.param_chunk.nbytes for f in self.families)
+        margin = self.device_budget - peak_non_model - params
+        moved = 0
+        for family in self.families:
+            if not family.trainable:
+                continue  # a frozen family's fp32 copy is only read by state dicts
+            side = [c for k, c in family.chunks.items() if k is not ChunkKind.PARAM and c.tier is Tier.HOST]
+            nbytes = sum(c.nbytes for c in side)
+            if not side or nbytes > margin:
+                continue
+            for chunk in side:
+                chunk.move_to(Tier.DEVICE)
+            for record in family.records:
+                if record.grad_in_param_slot:  # the parameter reads its master (see point_at_chunk)
+                    self.point_at_chunk(record)
+            margin -= nbytes
+            moved += 1
+        log.info("PatrickStar: %d of %d optimizer-state families run on the device", moved, len(self.families))
+
+    @staticmethod
+    def optimizer_tier_of(family: ChunkFamily) -> Tier:
+        """Where ``family``'s optimizer step runs: the tier of its optimizer-side chunks."""
+        for kind, chunk in family.chunks.items():
+            if kind is not ChunkKind.PARAM and chunk.tier is not None:
+                return chunk.tier
+        return Tier.DEVICE
+
+    def optimizer_placement_summary(self) -> str:
+        tiers = [self.optimizer_tier_of(f) for f in self.families if f.trainable and len(f.chunks) > 1]
+        if not tiers:
+            return self.optimizer_tier.value
+        on_device = sum(t is Tier.DEVICE for t in tiers)
+        if on_device in (0, len(tiers)):
+            return tiers[0].value
+        return f"device for {on_device} of {len(tiers)} families, host for the rest"
+
+    def storage_ptrs(self, chunks: Sequence[Chunk]) -> set[int]:
+        """Addresses of the chunks' storages now, on both tiers (the tracer tells model data from the rest)."""
+        ptrs: set[int] = set()
+        for chunk in chunks:
+            for buf in (chunk.device_buffer, chunk.host_buffer):
+                if buf is not None:
+                    ptr = buf.untyped_storage().data_ptr()
+                    if ptr:
+                        ptrs.add(ptr)
+        return ptrs

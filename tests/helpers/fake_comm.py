@@ -1,0 +1,173 @@
+"""A recording fake of :class:`lightning_pstar.runtime.comm.ChunkComm`, for process-free tests of the ZeRO sharding
+protocol ([Note: one collective sequence on every rank] in ``lightning_pstar/runtime/sharding.py``).
+
+:class:`RecordingComm` moves no data: every collective returns at once (work handle None), an all-gather
+zero-fills what the peers would send, a reduce-scatter hands the owner its own input (as if the peers sent zeros),
+and each call is appended to :attr:`RecordingComm.calls` as a :class:`Call` (name, shapes, dtypes, and with
+:func:`label_groups` the chunk group). Collectives pair by position, so ranks follow the protocol when their lists
+are identical.
+
+The one answer a rank acts on is the ``all_reduce(MIN)`` agreement (which chunk groups are complete on every rank,
+whether prefetching fits everywhere). A real MIN gives every rank the same answer, taken from every rank's flags;
+simulated ranks run one after the other, so :class:`Agreement` finds those answers as a fixed point instead: each
+round runs every rank from scratch with the answers of the previous round and records each rank's own flags. The
+k-th answer depends only on the answers before it, so after round k the first k answers are the ones a real MIN
+gives, and the rounds stop when nothing changes. (A fake that left the flags as they are would let each rank act
+on its own flags alone: a rank that ran an expert would reduce that expert's group early and its peer only at the
+end of the backward -- a difference of the harness, not of the protocol.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_pstar.runtime.sharding import GroupCoordinator
+
+__all__ = ["Agreement", "Call", "RecordingComm", "label_groups"]
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective as a rank issued it: what must match, position by position, on every rank."""
+
+    op: str
+    shapes: tuple[Shape, ...]
+    dtype: str
+    group: int | None = None  # the chunk group an all-gather or reduce-scatter is for (shapes alone may agree)
+
+    def __str__(self) -> str:
+        where = "" if self.group is None else f"@group{self.group}"
+        return f"{self.op}{where}{list(self.shapes)}:{self.dtype}"
+
+
+class Agreement:
+    """The answers of the ``all_reduce(MIN)`` calls of one simulated run, shared by every rank's fake comm.
+
+    ``answers[k]`` is what every rank's k-th MIN returns; a call without an answer yet returns zeros (nothing
+    agreed). :meth:`next_round` takes the element-wise minimum of the flags the ranks passed.
+    """
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.world_size = world_size
+        self.answers: list[list[int]] = []
+        self.flags: dict[int, list[list[int]]] = {}  # rank -> the flags it passed to each MIN call, in order
+
+    def start(self) -> None:
+        """A round begins: forget the flags of the last one."""
+        self.flags = {}
+
+    def answer(self, rank: int, tensor: torch.Tensor) -> None:
+        passed = self.flags.setdefault(rank, [])
+        k = len(passed)
+        passed.append([int(v) for v in tensor.tolist()])
+        if k < len(self.answers) and len(self.answers[k]) == tensor.numel():
+            tensor.copy_(torch.tensor(self.answers[k], dtype=tensor.dtype))
+        else:
+            tensor.zero_()
+
+    def next_round(self) -> bool:
+        """Compute the answers from the flags just passed; whether they changed (another round is needed)."""
+        per_rank = [self.flags.get(rank, []) for rank in range(self.world_size)]
+        answers: list[list[int]] = []
+        for calls in zip(*per_rank, strict=False):
+            if len({len(c) for c in calls}) != 1:
+                break  # the ranks disagree on the call already: the sequences differ, the test says where
+            answers.append([min(values) for values in zip(*calls, strict=True)])
+        changed = answers != self.answers
+        self.answers = answers
+        return changed
+
+
+def _shapes(tensors: Sequence[torch.Tensor]) -> tuple[Shape, ...]:
+    return tuple(tuple(t.shape) for t in tensors)
+
+
+class RecordingComm:
+    """Duck-types :class:`lightning_pstar.runtime.comm.ChunkComm` for one rank of a simulated run: no data moves,
+    every call returns at once (work handle None) and is appended to :attr:`calls`."""
+
+    def __init__(self, *, rank: int, world_size: int, agreement: Agreement | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = None
+        self.agreement = agreement if agreement is not None else Agreement(world_size)
+        self.calls: list[Call] = []
+        self.label: int | None = None  # the group of the collective about to start (see label_groups)
+        self.gathered_bytes = 0
+        self.reduced_bytes = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def _record(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
+        dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors}
+        self.calls.append(Call(op, _shapes(tensors), "/".join(sorted(dtypes)), self.label))
+        self.label = None
+
+    def all_gather_chunks(self, buffers: Sequence[torch.Tensor], rank_in_group: int) -> Any:
+        assert len(buffers) == self.world_size and rank_in_group == self.rank
+        assert len({(b.numel(), b.dtype) for b in buffers}) == 1, "all-gather buffers differ in size"
+        self._record("all_gather", buffers)
+        for i, buf in enumerate(buffers):
+            if i != rank_in_group:
+                buf.zero_()  # what a peer would send: the numbers are not what is tested
+                self.gathered_bytes += buf.numel() * buf.element_size()
+        return None
+
+    def start_reduce_scatter(self, inputs: Sequence[torch.Tensor], output: torch.Tensor) -> Any:
+        assert len(inputs) == self.world_size
+        assert len({(t.numel(), t.dtype) for t in (*inputs, output)}) == 1, "reduce-scatter buffers differ in size"
+        self._record("reduce_scatter", [*inputs, output])
+        self.reduced_bytes += sum(t.numel() * t.element_size() for t in inputs)
+        output.copy_(inputs[self.rank])  # as if the peers sent zeros (the presence flags stay this rank's)
+        return None
+
+    def start_all_reduce_min(self, tensor: torch.Tensor) -> Any:
+        self._record("all_reduce_min", [tensor])
+        self.agreement.answer(self.rank, tensor)
+        return None
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._record("all_reduce_max", [tensor])
+        return tensor
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._record("all_reduce_sum", [tensor])
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self._record(f"broadcast<{src}", [tensor])
+        return tensor
+
+    def to_rank0_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if src != 0:
+            self._record(f"to_rank0<{src}", [tensor])
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self.calls.append(Call("all_gather_object", (), type(obj).__name__))
+        return [obj] * self.world_size
+
+
+def label_groups(sharding: GroupCoordinator, comm: RecordingComm) -> None:
+    """Tell ``comm`` which chunk group each all-gather and reduce-scatter is for: two groups of the same capacity
+    give collectives of the same shapes, and pairing those of different groups would exchange the wrong chunks."""
+    start_gather, reduce_group = sharding._start_gather, sharding.reduce_group
+
+    def labelled_gather(group: int, protect: set[int]) -> Any:
+        comm.label = group
+        return start_gather(group, protect)
+
+    def labelled_reduce(group: int) -> None:
+        comm.label = group
+        reduce_group(group)
+
+    sharding._start_gather = labelled_gather  # type: ignore[method-assign]
+    sharding.reduce_group = labelled_reduce  # type: ignore[method-assign]
