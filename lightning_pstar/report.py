@@ -49,7 +49,7 @@ class MemoryReport:
     peak_non_model_bytes: int = 0  # warm-up peak of non-model memory on the device
     moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
     moment_device_chunk_bytes: list[int] = field(default_factory=list)  # per moment, last iteration seen
-    moment_labels: list[str] = field(default_factory=list)  # "fwd:3", "bwd:3", "step"
+    moment_labels: list[str] = field(default_factory=list)  # "fwd:blocks.0.attn", "bwd:head", "step"
     rank: int = 0
     world_size: int = 1
     gathered_bytes: int = 0  # received by all-gathers of chunk groups (ZeRO data parallelism)

@@ -70,6 +70,18 @@ class ChunkFamily:
     def has_grads(self) -> bool:
         return any(r.grad for r in self.records)
 
+    @torch.no_grad()
+    def copy_slot_writes_to_master(self, record: ParamRecord) -> None:
+        """A module wrote ``record``'s weight in place in the param chunk (mixed precision): copy the elements
+        that changed into the fp32 master (the others keep their full precision)."""
+        master = self.chunks.get(ChunkKind.MASTER)
+        if master is None:
+            return
+        slot = self.param_chunk.slot_view(record.slot)
+        exact = master.slot_view(record.slot)
+        changed = (slot != exact.to(slot.device, slot.dtype)).to(exact.device)
+        exact[changed] = slot.to(exact.device, exact.dtype)[changed]
+
 
 class ParamTable:
     """Every family and record of one model, by family id, by parameter identity and by module."""

@@ -7,7 +7,7 @@
 - post-backward of M (a grad hook on M's inputs): slots still in ``COMPUTE`` leave it, so the chunks of a
   tied weight whose gradient is not final yet are not pinned for the rest of the backward;
 - gradient of p final (``register_post_accumulate_grad_hook``): the chunk manager stores it in the slot;
-- BatchNorm in mixed precision: running statistics in the compute dtype during its forward (see below);
+- BatchNorm in mixed precision: fp32 copies of its weight and bias during its forward (see below);
 - training forward: weights autograd saves for backward outside their modules are saved by reference
   (:meth:`ModelHooks.saved_tensors`, [Note: saved weights]).
 
@@ -119,7 +119,7 @@ class ModelHooks:
     def __init__(self, manager: ChunkManager) -> None:
         self.manager = manager
         self._handles: list[Any] = []
-        self._stats_stash: dict[nn.Module, dict[str, torch.Tensor]] = {}  # fp32 running stats during a forward
+        self._stats_stash: dict[nn.Module, dict[str, torch.Tensor]] = {}  # BatchNorm parameters during its forward
         self._unpack_node: Any = None  # the autograd node unpacking saved weights now (held until the next)
         self._unpack_pins: set[int] = set()  # families it read from: not evicted while it runs
 
@@ -133,8 +133,8 @@ class ModelHooks:
         if self.manager.mixed:
             for module in self.manager.module_records:
                 if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
-                    self._handles.append(module.register_forward_pre_hook(self._stats_in_compute_dtype))
-                    self._handles.append(module.register_forward_hook(self._stats_back_to_buffers))
+                    self._handles.append(module.register_forward_pre_hook(self._batchnorm_params_in_fp32))
+                    self._handles.append(module.register_forward_hook(self._batchnorm_params_back))
         host = {id(p) for p in self.manager.host_params.values()}
         for module in self.manager.module.modules():
             if isinstance(module, nn.Embedding) and id(module.weight) in host:
@@ -150,31 +150,27 @@ class ModelHooks:
         manager = self.manager
         return output.to(device=manager.device, dtype=manager.compute_dtype)
 
-    # ---- running statistics of BatchNorm in mixed precision ---------------------------------------------
+    # ---- BatchNorm in mixed precision ---------------------------------------------------------------------
     # A BatchNorm's weight and bias live in the chunks in the compute dtype while its running statistics stay
     # fp32 buffers (as in plain Lightning's mixed precision, and in checkpoints). torch's CPU kernel refuses a
-    # bf16 weight next to fp32 running statistics ("expected scalar type BFloat16 but found Float"), so during
-    # the module's forward it sees compute-dtype copies of its statistics; in training the updated values are
-    # copied back into the fp32 buffers (in eval they are only read).
-    def _stats_in_compute_dtype(self, module: nn.Module, args: Any) -> None:
-        self._stats_back_to_buffers(module)  # a forward interrupted before its post-hook (checkpoint early stop)
-        dtype = self.manager.compute_dtype
+    # bf16 weight next to fp32 running statistics ("expected scalar type BFloat16 but found Float"), but takes
+    # fp32 weights with a bf16 input, which is what plain Lightning's bf16-mixed runs: so during the module's
+    # forward its weight and bias are fp32 copies of the compute-dtype parameters (differentiable: the gradient
+    # reaches the parameters), and the running statistics are updated in fp32, as plain Lightning updates them.
+    def _batchnorm_params_in_fp32(self, module: nn.Module, args: Any) -> None:
+        self._batchnorm_params_back(module)  # a forward interrupted before its post-hook (checkpoint early stop)
         stash: dict[str, torch.Tensor] = {}
-        for name in ("running_mean", "running_var"):
-            buf = module._buffers.get(name)
-            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                stash[name] = buf
-                module._buffers[name] = buf.to(dtype)
+        for name in ("weight", "bias"):
+            param = module._parameters.get(name)
+            if param is not None and param.dtype != torch.float32:
+                stash[name] = param
+                module._parameters[name] = param.float()  # type: ignore[assignment]
         if stash:
             self._stats_stash[module] = stash
 
-    def _stats_back_to_buffers(self, module: nn.Module, *_: Any) -> None:
-        for name, buf in self._stats_stash.pop(module, {}).items():
-            current = module._buffers[name]
-            if module.training and current is not None:
-                with torch.no_grad():
-                    buf.copy_(current)
-            module._buffers[name] = buf
+    def _batchnorm_params_back(self, module: nn.Module, *_: Any) -> None:
+        for name, param in self._stats_stash.pop(module, {}).items():
+            module._parameters[name] = param  # type: ignore[assignment]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -182,8 +178,8 @@ class ModelHooks:
         self._handles.clear()
         self._unpack_node = None
         self._unpack_pins = set()
-        for module in list(self._stats_stash):  # a forward that raised: hand back the fp32 statistics
-            self._stats_back_to_buffers(module)
+        for module in list(self._stats_stash):  # a forward that raised: hand back the parameters
+            self._batchnorm_params_back(module)
 
     # ---- tensors autograd saves for backward ([Note: saved weights]) ----------------------------------
     @contextmanager

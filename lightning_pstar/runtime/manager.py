@@ -36,7 +36,7 @@ from lightning_pstar.planning.requirements import (
     min_device_bytes,
     tier_need,
 )
-from lightning_pstar.report import MemoryReport, format_bytes
+from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable
@@ -47,6 +47,7 @@ from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding, make_sharding
 from lightning_pstar.runtime.state import GradLocation, MicroBatch, Phase, TensorState, Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
+from lightning_pstar.runtime.warmup import end_warmup
 
 __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "ParamRecord"]
 
@@ -92,6 +93,7 @@ class ChunkManager:
         self.accumulates = accumulates  # declared at setup: mixed precision keeps an fp32 gradient sum
         self.phase = Phase.IDLE
         self.moment_chunk_bytes: dict[int, int] = {}  # moment index -> chunk bytes on the device (last seen)
+        self._module_names: list[str] = []  # by module index, for moment labels (built on first report)
         self._forward_versions: dict[int, list[int]] = {}  # module index -> its weights' versions at pre-forward
         self._materialised = False
         # bumped whenever weights change (optimizer step, load): a weight autograd saved by reference
@@ -384,15 +386,8 @@ class ChunkManager:
                 " them. HINT: renormalise explicitly outside forward (e.g. in `on_before_optimizer_step`), or"
                 " train on one rank."
             )
-        with torch.no_grad():
-            for record in records:
-                master = record.family.chunks.get(ChunkKind.MASTER)
-                if master is None:
-                    continue
-                slot = record.family.param_chunk.slot_view(record.slot)
-                exact = master.slot_view(record.slot)
-                changed = (slot != exact.to(slot.device, slot.dtype)).to(exact.device)
-                exact[changed] = slot.to(exact.device, exact.dtype)[changed]
+        for record in records:
+            record.family.copy_slot_writes_to_master(record)
         log.debug("PatrickStar: %s written in place during forward; fp32 masters updated", names)
 
     def begin_backward(self) -> None:
@@ -508,48 +503,20 @@ class ChunkManager:
 
     def end_warmup_if_recording(self) -> None:
         """After the first optimizer step: close the trace, check the budget, plan optimizer placement."""
-        if not self.tracer.recording:
-            return
-        self.tracer.stop_recording()
-        if self.sharding.distributed:
-            self._plan_group_prefetch()
-        if self.device_budget is None or self.policy.name != "auto":
-            return
-        self._check_trace_fits()
-        self.residency.plan_hybrid_optimizer(self.tracer.trace.peak_non_model)
-
-    def _moment_chunk_need(self, families: Sequence[int]) -> int:
-        return sum(self.families[f].param_chunk.nbytes for f in families)
-
-    def _check_trace_fits(self) -> None:
-        assert self.device_budget is not None
-        moments = self.tracer.trace.moments
-        for index, total in enumerate(self.tracer.trace.device_need(self._moment_chunk_need)):
-            if total > self.device_budget:
-                moment = moments[index]
-                raise MemoryBudgetError(
-                    f"device_memory_limit is too small for this model's iteration: at moment {index}"
-                    f" ({moment.kind.value}) the warm-up measured {format_bytes(moment.non_model_bytes, exact=True)}"
-                    " of non-model memory (activations) and the chunks needed then take"
-                    f" {format_bytes(total - moment.non_model_bytes, exact=True)}, together"
-                    f" {format_bytes(total, exact=True)}, but the device budget is"
-                    f" {format_bytes(self.device_budget, exact=True)}. HINT: raise device_memory_limit, lower the batch"
-                    " size or chunk_size, or use activation checkpointing."
-                )
-
-    def _plan_group_prefetch(self) -> None:
-        """ZeRO: gather the next chunk group while the current one computes, if two more groups fit the
-        device budget at the warm-up's peak on every rank (all ranks agree: one collective)."""
-        fits = True
-        if self.device_budget is not None:
-            moments = self.tracer.trace.moments
-            needs = self.tracer.trace.device_need(self._moment_chunk_need)
-            peak = max((n for n, m in zip(needs, moments, strict=True) if m.kind is not MomentKind.STEP), default=0)
-            fits = peak + 2 * self.sharding.group_bytes() <= self.device_budget
-        enabled = self.sharding.plan_prefetch(fits)
-        log.info("PatrickStar: chunk groups are %sgathered ahead of use", "" if enabled else "not ")
+        if self.tracer.recording:
+            end_warmup(self.tracer, self.residency, self.sharding)
 
     # ---- reporting ------------------------------------------------------------------------------------
+    def _moment_label(self, kind: MomentKind, key: int) -> str:
+        """``"fwd:blocks.0.attn"``, ``"bwd:head"``, ``"step"``: the moment and the module it belongs to."""
+        if kind is MomentKind.STEP:
+            return "step"
+        if not self._module_names:
+            names = {mod: name for name, mod in self.module.named_modules()}
+            self._module_names = [names.get(mod) or "<root>" for mod in self.table.module_records]
+        name = self._module_names[key] if key < len(self._module_names) else str(key)
+        return f"{'fwd' if kind is MomentKind.FORWARD else 'bwd'}:{name}"
+
     def memory_report(self) -> MemoryReport:
         trace = self.tracer.trace
         stats = self.residency.stats
@@ -587,8 +554,5 @@ class ChunkManager:
             peak_non_model_bytes=trace.peak_non_model,
             moment_non_model_bytes=[m.non_model_bytes for m in trace.moments],
             moment_device_chunk_bytes=[self.moment_chunk_bytes.get(i, 0) for i in range(len(trace.moments))],
-            moment_labels=[
-                "step" if m.kind is MomentKind.STEP else f"{'fwd' if m.kind is MomentKind.FORWARD else 'bwd'}:{m.key}"
-                for m in trace.moments
-            ],
+            moment_labels=[self._moment_label(m.kind, m.key) for m in trace.moments],
         )

@@ -791,3 +791,26 @@ def test_frozen_weights_round_trip_exactly_with_frozen_master(frozen_master: boo
         c.nbytes for f in manager.families if not f.trainable for k, c in f.chunks.items() if k is ChunkKind.MASTER
     )
     assert host_master == (4 * frozen_cap if frozen_master else 0)
+
+
+def test_moment_labels_name_the_module() -> None:
+    """The report's per-moment labels name each moment's module (what the tide plot shows)."""
+    from lightning_pstar.runtime.hooks import ModelHooks
+
+    model = _Tied()
+    manager = _manager(model)
+    manager.materialise()
+    hooks = ModelHooks(manager)
+    hooks.install()
+    manager.begin_training_batch()
+    with hooks.saved_tensors():
+        loss = model(torch.tensor([[1, 2, 3]])).sum()
+    manager.begin_backward()
+    loss.backward()
+    manager.finish_backward()
+    manager.step_moment()
+    manager.end_warmup_if_recording()
+    labels = manager.memory_report().moment_labels
+    assert labels[:3] == ["fwd:emb", "fwd:body", "fwd:head"], labels
+    assert labels[-1] == "step" and "bwd:head" in labels and "bwd:body" in labels, labels
+    hooks.remove()
