@@ -21,6 +21,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -42,6 +43,7 @@ from lightning_pstar.checkpoint import (
     read_sharded_meta,
     read_sharded_tensors,
     remove_checkpoint_path,
+    remove_leftovers,
     restore_module,
     save_checkpoint_file,
     sharded_info,
@@ -51,6 +53,7 @@ from lightning_pstar.checkpoint import (
 )
 from lightning_pstar.config import PStarConfig, PStarOptions, check_option_names
 from lightning_pstar.optim import ChunkedOptimizer
+from lightning_pstar.optim.state_dict import check_optimizer_class
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.comm import ChunkComm
@@ -120,6 +123,51 @@ def _refuse_shared_parameters(optimizers: Sequence[Optimizer], module: nn.Module
                         f" {index} returned by `configure_optimizers`. HINT: give each parameter to exactly one"
                         " optimizer."
                     )
+
+
+def _parameter_free_metrics(module: nn.Module) -> list[nn.Module]:
+    """The outermost submodules with states of their own that ``.to`` moves but no parameters anywhere
+    below them (torchmetrics ``Metric``): moving them moves no chunk."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    for mod in module.modules():
+        if id(mod) in seen or mod is module or not hasattr(mod, "_defaults"):  # torchmetrics' state table
+            continue
+        if next(mod.parameters(), None) is None:
+            found.append(mod)
+            seen.update(id(m) for m in mod.modules())
+    return found
+
+
+_CHUNK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _refuse_unsupported_dtypes(module: nn.Module) -> None:
+    """Chunks hold fp32 masters and fp32/fp16/bf16 compute copies: any other parameter dtype (float64, an integer
+    or complex parameter) would be cast silently, so it is refused before anything changes."""
+    for name, p in module.named_parameters():
+        if p.dtype not in _CHUNK_DTYPES:
+            raise ValueError(
+                f"Parameter '{name}' has dtype {p.dtype}; PatrickStar keeps parameters in float32, float16 or"
+                f" bfloat16 chunks and would silently cast it. HINT: build it as float32 (`.float()`) or keep it"
+                " out of the parameters (a buffer: `register_buffer`)."
+            )
+
+
+def _explain_optimizer_setup_error(err: Exception, world_size: int) -> Exception | None:
+    """A clearer error for optimizers PatrickStar cannot take, raised while ``configure_optimizers`` runs."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    if any(f.endswith("zero_redundancy_optimizer.py") for f in frames):
+        return ValueError(
+            f"`configure_optimizers` built a ZeroRedundancyOptimizer, which failed at world size {world_size}"
+            f" ({type(err).__name__}: {err}). PatrickStar already shards the optimizer state over the ranks."
+            " HINT: return the plain optimizer (torch.optim.AdamW(self.parameters(), ...))."
+        )
+    return None
 
 
 class PatrickStarStrategy(DDPStrategy):
@@ -218,6 +266,15 @@ class PatrickStarStrategy(DDPStrategy):
         # collective of a world of one is the identity)
         self.set_world_ranks()
 
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.num_processes == 1 and self._start_method == "popen":
+            # one process on this machine: run in place, as Lightning's single-device strategy does. Its
+            # launcher would only reset torch's thread count (to cores / processes), changing the user's
+            # `torch.set_num_threads` and the arithmetic; where several processes share a machine it stays.
+            self._launcher = None
+
     # ---- model setup ----------------------------------------------------------------------------------
     @override
     @contextmanager
@@ -235,6 +292,7 @@ class PatrickStarStrategy(DDPStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         module = self.lightning_module
+        _refuse_unsupported_dtypes(module)
         manager = ChunkManager(
             module,
             config=self.config,
@@ -245,6 +303,7 @@ class PatrickStarStrategy(DDPStrategy):
                 rank=self.global_rank,
                 world_size=self.world_size,
                 group=torch.distributed.group.WORLD if self.world_size > 1 else None,
+                cpu_group=self._cpu_group(),
             ),
             local_world_size=self.num_processes,
             accumulates=trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1,
@@ -259,12 +318,31 @@ class PatrickStarStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    def _cpu_group(self) -> Any | None:
+        """A gloo group beside an NCCL world, for collectives on host tensors (None where the world is gloo
+        already, or one rank). Every rank creates it here, in the same order."""
+        dist = torch.distributed
+        if self.world_size <= 1 or not dist.is_initialized() or dist.get_backend() == "gloo":
+            return None
+        return dist.new_group(backend="gloo")
+
     def _move_buffers(self, module: nn.Module) -> None:
+        """Put everything of the module that is not a parameter on the root device, and say so.
+
+        Parameters stay in chunks. Buffers move; parameter-free submodules (torchmetrics metrics, whose
+        states are not buffers) move with their own ``.to``; and Lightning's device bookkeeping
+        (``_DeviceDtypeModuleMixin._device``, read by ``pl_module.device``) is set to the root device, so
+        ``torch.arange(..., device=self.device)`` lands there. ``.dtype`` stays the fp32 of the weights'
+        truth (the masters), as Lightning's own mixed-precision strategies report it.
+        """
         device = self.root_device
         for mod in module.modules():
             for name, buf in mod._buffers.items():
                 if buf is not None and buf.device != device:
                     mod._buffers[name] = buf.to(device)
+        for mod in _parameter_free_metrics(module):
+            mod.to(device)
+        _update_properties(module, device=device)
 
     @override
     def model_to_device(self) -> None:
@@ -274,7 +352,19 @@ class PatrickStarStrategy(DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
+        try:
+            super().setup_optimizers(trainer)
+        except (RuntimeError, ValueError) as err:
+            clearer = _explain_optimizer_setup_error(err, self.world_size)
+            if clearer is None:
+                raise
+            raise clearer from err
+        if any(type(opt).__name__ == "_MockOptimizer" for opt in self.optimizers):
+            raise ValueError(
+                "`configure_optimizers` returned None (no optimizer), and PatrickStar steps the model's chunks"
+                " through an optimizer. HINT: return one, e.g. `return torch.optim.AdamW(self.parameters(),"
+                " lr=1e-3)` (torch.optim.Adam, AdamW or SGD)."
+            )
         manager = self._require_manager()
         _refuse_shared_parameters(self.optimizers, self.lightning_module)
         self.optimizers = [ChunkedOptimizer(opt, manager) for opt in self.optimizers]
@@ -305,7 +395,11 @@ class PatrickStarStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._manager is not None:
-            self._manager.end_warmup_if_recording()
+            module = self.lightning_module
+            if len(self.optimizers) == 1 and module is not None and module.automatic_optimization:
+                self._manager.end_warmup_if_recording()  # one step per iteration: the warm-up ends with it
+            else:
+                self._manager.optimizer_stepped()  # manual loops may step several optimizers per batch
         return result
 
     def _leave_training(self) -> None:
@@ -336,6 +430,11 @@ class PatrickStarStrategy(DDPStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._eval_pass():
             return super().predict_step(*args, **kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        self._leave_training()  # a warm-up whose iteration stepped ends here if no batch followed
+        super().on_train_end()
 
     @override
     def on_validation_start(self) -> None:
@@ -410,7 +509,42 @@ class PatrickStarStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         self._loading_from = path
-        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if self.is_global_zero:
+            remove_leftovers(path.parent)  # what killed saves left beside it (only this package's entries)
+        self.barrier()
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if (
+            "state_dict" not in checkpoint
+            and checkpoint
+            and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
+        ):
+            raise CheckpointError(
+                f"'{path}' holds a bare state_dict ({len(checkpoint)} tensors), not a Lightning checkpoint."
+                " HINT: load the weights before fit (`model.load_state_dict(torch.load(path))`) and call fit"
+                " without ckpt_path; ckpt_path takes a file written by trainer.save_checkpoint or ModelCheckpoint."
+            )
+        return checkpoint
+
+    def _check_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        """Refuse optimizer states of another optimizer class before the model state changes."""
+        if self.lightning_module is None or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return
+        if checkpoint.get(SHARDED_KEY):
+            stored = stored_keys(Path(checkpoint[SHARDED_KEY]))
+            groups = checkpoint[INFO_KEY]["param_groups"]
+            states = [
+                ({key.rsplit("/", 1)[1] for key in stored if key.startswith(f"optim/{k}/")}, groups[k])
+                for k in range(len(groups))
+            ]
+        else:
+            states = [
+                ({f for entry in opt["state"].values() for f in entry}, opt["param_groups"])
+                for opt in checkpoint.get("optimizer_states", [])
+                if isinstance(opt, Mapping) and isinstance(opt.get("state"), Mapping)
+            ]
+        for k, (opt, (fields, groups)) in enumerate(zip(self.optimizers, states, strict=False)):
+            user = opt.user_optimizer if isinstance(opt, ChunkedOptimizer) else opt
+            check_optimizer_class(user, fields, groups, f"optimizer {k} state in the checkpoint")
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -419,6 +553,7 @@ class PatrickStarStrategy(DDPStrategy):
             return
         source = checkpoint.get(SHARDED_KEY) or getattr(self, "_loading_from", None) or "the checkpoint"
         try:
+            self._check_optimizer_states(checkpoint)
             if checkpoint.get(SHARDED_KEY):
                 path = Path(checkpoint[SHARDED_KEY])
                 load_owned_tensors(
@@ -479,6 +614,28 @@ class PatrickStarStrategy(DDPStrategy):
     # ---- teardown -------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        if not self._failed:
+            self._teardown()
+            return
+        # after a failure (setup included) the first error is the one the user sees: nothing here may raise
+        # a new one (Lightning's own teardown would call `.cpu()` on meta tensors of a `configure_model` model)
+        try:
+            self._teardown()
+        except Exception as err:  # noqa: BLE001 - logged: the error being raised already is the user's
+            log.warning("PatrickStar teardown after a failed run: %s: %s", type(err).__name__, err)
+            self._hooks, self._manager = None, None
+            for step in (self.precision_plugin.teardown, self.checkpoint_io.teardown):
+                try:
+                    step()
+                except Exception as inner:  # noqa: BLE001
+                    log.warning("PatrickStar teardown after a failed run: %s: %s", type(inner).__name__, inner)
+            if self.accelerator is not None:
+                try:
+                    self.accelerator.teardown()
+                except Exception as inner:  # noqa: BLE001
+                    log.warning("PatrickStar teardown after a failed run: %s: %s", type(inner).__name__, inner)
+
+    def _teardown(self) -> None:
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None

@@ -1,7 +1,8 @@
 """Checkpoints: crash-safe files, sharded stores (torch.distributed.checkpoint), model and optimizer state.
 
-- ``io``: atomic writes and loads whose errors name the file (the Lightning ``CheckpointIO`` built on them
-  lives in ``strategy.py``);
+- ``io``: atomic writes, checked loads whose errors name the file, removal of what killed saves left behind
+  (the Lightning ``CheckpointIO`` built on them lives in ``strategy.py``);
+- ``integrity``: the checksums every checkpoint file carries, checked before it is read;
 - ``sharded``: the directory every rank writes in parallel, and ``consolidate`` (``cli``: its command);
 - ``model_state``: consolidated and sharded model state over the manager's parameter table.
 
@@ -14,6 +15,7 @@ from lightning_pstar.checkpoint.io import (
     CheckpointError,
     load_checkpoint_file,
     remove_checkpoint_path,
+    remove_leftovers,
     save_checkpoint_file,
 )
 from lightning_pstar.checkpoint.model_state import (
@@ -57,6 +59,7 @@ __all__ = [
     "read_sharded_meta",
     "read_sharded_tensors",
     "remove_checkpoint_path",
+    "remove_leftovers",
     "restore_module",
     "save_checkpoint_file",
     "sharded_info",

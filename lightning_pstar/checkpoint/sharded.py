@@ -4,7 +4,12 @@ A sharded checkpoint is a directory: ``meta.pt`` (everything Lightning saves exc
 tensors, written by rank 0) and a ``torch.distributed.checkpoint`` store in which every rank writes only the
 parameters and optimizer states it owns. Keys name whole parameters (``model/<name>``,
 ``optim/<k>/<index>/<field>``), so the store loads at any world size. The name a user gives is a symbolic
-link to the data directory, swapped atomically on every save (see :func:`write_sharded`).
+link to the data directory, swapped atomically on every save (see :func:`write_sharded`). ``meta.pt`` keeps the
+CRC32 of every file of the store, checked on load.
+
+Plain Lightning (``strategy="auto"``, ``LightningModule.load_from_checkpoint``) reads files only: given a
+sharded directory it fails with ``IsADirectoryError``. Turn the directory into one file first with
+``python -m lightning_pstar.consolidate DIR OUT.ckpt``.
 """
 
 from __future__ import annotations
@@ -19,13 +24,24 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_pstar.checkpoint.io import CheckpointError, atomic_torch_save, load_file
+from lightning_pstar.checkpoint.integrity import ChecksumMismatch, file_checksums, verify_checksums
+from lightning_pstar.checkpoint.io import (
+    CheckpointError,
+    atomic_torch_save,
+    load_file,
+    no_space_error,
+    publish,
+    remove_leftovers,
+    write_data_marker,
+)
 
 __all__ = [
     "INFO_KEY",
     "META_FILENAME",
     "SHARDED_KEY",
+    "CHECKSUMS_KEY",
     "consolidate",
     "is_sharded_checkpoint",
     "read_sharded_meta",
@@ -38,6 +54,7 @@ __all__ = [
 META_FILENAME = "meta.pt"
 SHARDED_KEY = "pstar_sharded_checkpoint"  # marks a checkpoint dict whose tensors live in a sharded store
 INFO_KEY = SHARDED_KEY + "_info"  # what rebuilds an ordinary state_dict: names, aliases, dtypes, param_groups
+CHECKSUMS_KEY = SHARDED_KEY + "_checksums"  # file name -> {"crc32", "bytes"} of every file of the store
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -69,45 +86,88 @@ def write_sharded(
 ) -> None:
     """Write a sharded checkpoint directory. Every rank passes only the tensors it owns.
 
-    The data goes to a fresh hidden directory next to ``path``; when every rank has finished, rank 0 points
-    ``path`` (a symbolic link) at it with one atomic rename and then deletes the previous data. A process
-    killed at any moment leaves ``path`` pointing at a complete checkpoint, old or new.
+    The data goes to a fresh hidden directory next to ``path`` (marked as this package's, see
+    :func:`~lightning_pstar.checkpoint.io.remove_leftovers`); every rank adds the checksums of the files it
+    wrote to ``meta.pt``; when every rank has finished, rank 0 publishes ``path`` (a symbolic link to the data)
+    in one atomic step and then deletes the previous data ([Note: publishing] in ``io.py``). A process killed at
+    any moment leaves ``path`` holding a complete checkpoint, old or new. A full disk raises a
+    :class:`CheckpointError` naming the path and "no space" on every rank, after removing the partial data.
     """
-    token = f".{path.name}.{time.time_ns()}" if rank == 0 else ""
+    token = ""
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(path.parent)
+        token = f".{path.name}.{time.time_ns()}"
+        (path.parent / token).mkdir()
+        write_data_marker(path.parent / token)
+    data = path.with_name(_broadcast(token))
+    try:
+        dcp.save(tensors, storage_writer=FileSystemWriter(data))
+        mine = file_checksums(data, sorted(p.name for p in data.glob(f"__{rank}_*.distcp")))
+        if rank == 0:
+            mine.update(file_checksums(data, [".metadata"]))
+        checksums = _gather_checksums(mine)
+        barrier()
+        if rank == 0:
+            meta[CHECKSUMS_KEY] = checksums
+            atomic_torch_save(meta, data / META_FILENAME)
+            _publish(path, data)
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        if rank == 0:
+            shutil.rmtree(data, ignore_errors=True)  # the partial output: no leftover fills the disk
+        if no_space_error(err) or _short_of_space(path.parent, tensors):
+            raise CheckpointError(
+                f"cannot write sharded checkpoint '{path}': no space left on device ({_first_line(err)})."
+                " The partial data was removed and the previous checkpoint kept."
+                " HINT: free disk space or save elsewhere (ModelCheckpoint(dirpath=...), save_top_k)."
+            ) from err
+        raise
+    barrier()
+
+
+def _short_of_space(directory: Path, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the filesystem has less room left than this rank's tensors take: DCP's writer can lose the
+    ENOSPC of a full disk inside torch's zip writer ("unexpected pos"), so the free space tells instead."""
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    return shutil.disk_usage(directory).free < needed
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _broadcast(token: str) -> str:
     holder = [token]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(holder, src=0)
-    data = path.with_name(holder[0])
-    dcp.save(tensors, storage_writer=FileSystemWriter(data))
-    barrier()
-    if rank == 0:
-        atomic_torch_save(meta, data / META_FILENAME)
-        _publish(path, data)
-    barrier()
+    return holder[0]
+
+
+def _gather_checksums(mine: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Every rank's file checksums, merged (what rank 0 writes to ``meta.pt``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return dict(mine)
+    gathered: list[dict[str, dict[str, int]] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    merged: dict[str, dict[str, int]] = {}
+    for table in gathered:
+        merged.update(table or {})
+    return merged
 
 
 def _publish(path: Path, data: Path) -> None:
-    """Point the link ``path`` at ``data`` with one atomic rename, then delete what no link points at."""
-    previous = path.resolve() if path.is_symlink() else None
-    link = path.with_name(f".{path.name}.link-{os.getpid()}")
+    """Point ``path`` at ``data`` with one atomic step, then delete what no link points at any more."""
+    link = path.with_name(f".{path.name}.pstar-link-{os.getpid()}")
     if link.is_symlink() or link.exists():
         link.unlink()
     os.symlink(data.name, link)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)  # a directory from an older layout: replaced by the link
-    os.replace(link, path)  # atomic: readers see the old checkpoint or the new one
-    _remove_stale(path, keep=data, extra=previous)
-
-
-def _remove_stale(path: Path, *, keep: Path, extra: Path | None) -> None:
-    """Delete data directories of ``path`` that no link points at any more (also after a crash)."""
-    for candidate in path.parent.glob(f".{path.name}.*"):
-        if candidate.resolve() == keep.resolve() or candidate.is_symlink():
-            continue
-        if candidate.is_dir():
-            shutil.rmtree(candidate, ignore_errors=True)
-    if extra is not None and extra.exists() and extra.resolve() != keep.resolve():
-        shutil.rmtree(extra, ignore_errors=True)
+    try:
+        publish(link, path)
+    finally:
+        if link.is_symlink():
+            link.unlink()
+    remove_leftovers(path.parent)
 
 
 def read_sharded_meta(path: Path) -> dict[str, Any]:
@@ -115,6 +175,13 @@ def read_sharded_meta(path: Path) -> dict[str, Any]:
     meta = load_file(path / META_FILENAME)
     if not isinstance(meta, dict) or SHARDED_KEY not in meta:
         raise CheckpointError(f"'{path / META_FILENAME}' is not the metadata of a PatrickStar sharded checkpoint.")
+    try:
+        verify_checksums(path, meta.pop(CHECKSUMS_KEY, None) or {})  # older checkpoints have none
+    except ChecksumMismatch as err:
+        raise CheckpointError(
+            f"sharded checkpoint '{path}' is damaged: {err}. HINT: resume from an earlier checkpoint or copy"
+            " the directory again; PatrickStar publishes a checkpoint only when every file is complete."
+        ) from err
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as err:  # noqa: BLE001 - any failure to read the index means an unusable store

@@ -25,6 +25,7 @@ __all__ = [
     "fused_sgd",
     "local_norms",
     "momentum_sgd",
+    "read_norm_and_finite",
     "scale_and_clamp",
     "total_norm",
 ]
@@ -108,23 +109,46 @@ def momentum_sgd(
 
 
 # ---- gradient norm and clipping ---------------------------------------------------------------------------
-def local_norms(grad_lists: Iterable[list[torch.Tensor]], *, check_finite: bool) -> tuple[list[torch.Tensor], bool]:
-    """The 2-norm of every gradient (CPU scalars) and whether all are finite (only looked at with
-    ``check_finite``; True otherwise)."""
+def local_norms(
+    grad_lists: Iterable[list[torch.Tensor]], *, check_finite: bool, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The 2-norm of every gradient, stacked on ``device`` (None without any), and, with ``check_finite``,
+    the count of non-finite gradients there (a 0-d tensor; None otherwise).
+
+    Device reductions only, no host synchronisation: one ``torch._foreach_norm`` per list (plus one
+    inf-norm per list for the check: a gradient is finite iff its largest magnitude is, whereas its 2-norm
+    can overflow on finite values) and one transfer per list. The caller reads the result once a step.
+    """
     norms: list[torch.Tensor] = []
-    finite = True
+    bad: list[torch.Tensor] = []
     for grads in grad_lists:
         if not grads:
             continue
-        norms.extend(n.to("cpu") for n in torch._foreach_norm(grads, 2.0))
-        if check_finite and finite:
-            finite = all(bool(torch.isfinite(g).all()) for g in grads)
-    return norms, finite
+        norms.append(torch.stack(torch._foreach_norm(grads, 2.0)).to(device))
+        if check_finite:
+            peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
+            bad.append((~torch.isfinite(peaks)).sum().to(device, torch.float32).reshape(1))
+    stacked = torch.cat(norms) if norms else None
+    nonfinite = torch.cat(bad).sum() if bad else (torch.zeros((), device=device) if check_finite else None)
+    return stacked, nonfinite
 
 
-def total_norm(norms: list[torch.Tensor]) -> torch.Tensor | None:
+def total_norm(norms: torch.Tensor | None) -> torch.Tensor | None:
     """The global 2-norm of gradients whose norms are ``norms`` (None without any)."""
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else None
+    return torch.linalg.vector_norm(norms, 2.0) if norms is not None else None
+
+
+def read_norm_and_finite(
+    total: torch.Tensor | None, nonfinite: torch.Tensor | None
+) -> tuple[bool, torch.Tensor | None]:
+    """One host synchronisation for the step: whether every gradient is finite, and the global norm as a
+    CPU fp32 scalar (None without gradients)."""
+    parts = [t.reshape(1).to(torch.float32) for t in (total, nonfinite) if t is not None]
+    if not parts:
+        return True, None
+    values = torch.cat([p.to(parts[0].device) for p in parts]).cpu()  # the one sync
+    finite = nonfinite is None or bool(values[-1] == 0)
+    return finite, values[0].clone() if total is not None else None
 
 
 def clip_coefficient(clip_norm: float, total: torch.Tensor) -> float:

@@ -158,18 +158,18 @@ class ChunkedOptimizer(Optimizer):
         grad_lists += [
             list(family_grads(f, self._book.group_of, mixed=mixed, inv_scale=inv_scale).values()) for f in families
         ]
-        norms, finite = kernels.local_norms(grad_lists, check_finite=self.gradient_policy.check_finite)
+        check = self.gradient_policy.check_finite
+        norms, nonfinite = kernels.local_norms(grad_lists, check_finite=check, device=manager.device)
         comm = manager.comm
         if not comm.distributed:
-            return finite, kernels.total_norm(norms)
-        # every rank holds the gradients of the families it owns: sum squares and flags over ranks
-        packed = torch.tensor(
-            [float(sum(float(n) ** 2 for n in norms)), 0.0 if finite else 1.0],
-            dtype=torch.float64,
-            device=manager.device,
-        )
+            return kernels.read_norm_and_finite(kernels.total_norm(norms), nonfinite)
+        # every rank holds the gradients of the families it owns: sum squares and flags over ranks, on device
+        zero = torch.zeros((), dtype=torch.float64, device=manager.device)
+        squares = norms.double().square().sum() if norms is not None else zero
+        packed = torch.stack([squares, nonfinite.double() if nonfinite is not None else zero])
         comm.all_reduce_sum_(packed)
-        return bool(packed[1] == 0), torch.sqrt(packed[0]).to(torch.float32).cpu()
+        finite, total = kernels.read_norm_and_finite(torch.sqrt(packed[0]), packed[1])
+        return finite, total
 
     def _host_params(self) -> list[torch.Tensor]:
         """Host-resident parameters (cpu_embedding), in param-group order."""

@@ -19,10 +19,39 @@ from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
 
-__all__ = ["ChunkedStateDict", "OptimizerBook", "ReadTensors"]
+__all__ = ["ChunkedStateDict", "OptimizerBook", "ReadTensors", "check_optimizer_class", "saved_optimizer_kind"]
 
 ReadTensors = Callable[[dict[str, torch.Size]], Mapping[str, torch.Tensor]]
 """Reads the named tensors (key -> shape) from a sharded store."""
+
+
+_ADAM_FIELDS = frozenset({"exp_avg", "exp_avg_sq"})
+_SGD_FIELDS = frozenset({"momentum_buffer"})
+
+
+def saved_optimizer_kind(fields: set[str], groups: list[Any]) -> str | None:
+    """Which optimizer family wrote a state ("Adam/AdamW" or "SGD"), from its state fields and its groups'
+    hyper-parameters (torch's layout does not name the class); None where nothing tells."""
+    keys = {k for group in groups if isinstance(group, Mapping) for k in group}
+    if fields & _ADAM_FIELDS or "betas" in keys:
+        return "Adam/AdamW"
+    if fields & _SGD_FIELDS or {"momentum", "dampening", "nesterov"} <= keys:
+        return "SGD"
+    return None
+
+
+def check_optimizer_class(optimizer: torch.optim.Optimizer, fields: set[str], groups: list[Any], where: str) -> None:
+    """Refuse an optimizer state written by another optimizer family than ``optimizer`` (SGD's momentum would
+    silently become Adam's ``exp_avg``), naming both; ``where`` says which state (for the message)."""
+    saved = saved_optimizer_kind(fields, groups)
+    mine = "Adam/AdamW" if isinstance(optimizer, torch.optim.Adam) else "SGD"
+    if saved is not None and saved != mine:
+        raise ValueError(
+            f"{where} was written by {saved} (fields {sorted(fields) or 'none'}), but this run's optimizer is"
+            f" {type(optimizer).__name__}. HINT: return the same optimizer class from `configure_optimizers` as"
+            " the run that saved the checkpoint, or load only the weights (module.load_state_dict before fit,"
+            " without ckpt_path)."
+        )
 
 
 @dataclass(kw_only=True)
@@ -214,6 +243,14 @@ class ChunkedStateDict:
         if not isinstance(groups, list) or "state" not in state_dict:
             raise ValueError("optimizer state_dict must have 'state' and 'param_groups' (torch's layout)")
         self._check_groups(groups)
+        fields = {name for entry in state_dict["state"].values() if isinstance(entry, Mapping) for name in entry}
+        writer = saved_optimizer_kind(fields, groups)
+        if writer is not None and (writer == "SGD") == self._book.is_adam:
+            kind = "Adam/AdamW" if self._book.is_adam else "SGD"
+            raise ValueError(
+                f"the optimizer state was written by {writer} (fields {sorted(fields)}), this optimizer is {kind}."
+                " HINT: return the same optimizer class from `configure_optimizers` as the run that saved it."
+            )
         saved_index = [i for g in groups for i in g["params"]]
         updates: list[tuple[ParamRecord, dict[str, Any]]] = []
         host_updates: list[tuple[torch.Tensor, dict[str, Any]]] = []

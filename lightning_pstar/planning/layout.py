@@ -6,7 +6,7 @@ Nothing here allocates memory for weights, so the same code serves setup and cap
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["ALIGN", "ChunkPlan", "Layout", "ParamSpec", "group_of", "owner_of", "plan_layout", "search_chunk_size"]
@@ -19,6 +19,9 @@ _MAX_CANDIDATES = 512
 """How many chunk sizes the "auto" search evaluates."""
 _MIN_GROUPS = 4
 """The "auto" search keeps at least this many chunk groups, so placement has units to move."""
+_MAX_UTILISATION_LOSS = 0.10
+"""How far below the one-rank layout's utilisation a several-rank layout may fall ([Note: utilisation at
+several ranks])."""
 
 
 def owner_of(chunk_id: int, world_size: int) -> int:
@@ -172,24 +175,63 @@ def search_chunk_size(
     Candidates run from the largest parameter up to the smallest of: the size at which two chunk groups
     (``2 * world_size`` param chunks) would no longer fit ``device_budget_bytes``, and the size that still
     leaves ``_MIN_GROUPS`` chunk groups. Ties go to the larger chunk (fewer, larger copies).
+
+    [Note: utilisation at several ranks]
+    With ``world_size > 1`` the groups are padded to whole groups of equal chunks, and a small model cannot
+    have ``_MIN_GROUPS`` groups of ``world_size`` chunks that each hold its largest parameter: the range
+    collapses to one size and padding can halve the utilisation. When the best layout's utilisation falls more
+    than ``_MAX_UTILISATION_LOSS`` below the one-rank layout's, fewer groups are allowed (sizes up to the
+    one-rank range's end): a layout that wastes half the memory on padding is worse than one with fewer units
+    to place. (Where no layout with two groups or more comes within those points -- a model of a few chunks,
+    each holding one of its largest parameters -- the least wasteful one is taken.)
     """
     if not params:
         raise ValueError("the model has no parameters to place in chunks")
     largest = _align(max(p.numel for p in params))
     total = sum(_align(p.numel) for p in params)
-    upper = max(largest, _align(math.ceil(total / (_MIN_GROUPS * world_size))))
-    if device_budget_bytes is not None:
-        fit = device_budget_bytes // (2 * world_size * compute_itemsize) // ALIGN * ALIGN
+    best = _best_layout(
+        params, largest, _upper(total, largest, world_size, device_budget_bytes, compute_itemsize), world_size
+    )
+    if world_size > 1:
+        one_rank = search_chunk_size(params, device_budget_bytes=device_budget_bytes, compute_itemsize=compute_itemsize)
+        floor = one_rank.utilisation - _MAX_UTILISATION_LOSS
+        if best.utilisation < floor:
+            upper = _upper(total, largest, world_size, device_budget_bytes, compute_itemsize, min_groups=1)
+            good: Layout | None = None  # the most groups (the smallest chunks) among those that waste little
+            for layout in _layouts(params, largest, upper, world_size):
+                if layout.utilisation >= floor and (good is None or layout.chunk_size < good.chunk_size):
+                    good = layout
+                if good is None and layout.capacity_elements < best.capacity_elements:
+                    best = layout  # none does: the least waste
+            if good is not None:
+                best = good
+    return best
+
+
+def _upper(
+    total: int, largest: int, world_size: int, budget: int | None, itemsize: int, *, min_groups: int = _MIN_GROUPS
+) -> int:
+    """The largest candidate: ``min_groups`` groups of ``world_size`` chunks, two groups within the budget."""
+    upper = max(largest, _align(math.ceil(total / (min_groups * world_size))))
+    if budget is not None:
+        fit = budget // (2 * world_size * itemsize) // ALIGN * ALIGN
         upper = min(upper, fit)
-    if upper < largest:
-        upper = largest  # the caller's budget check reports that even one group does not fit
+    return max(upper, largest)  # the caller's budget check reports that even one group does not fit
+
+
+def _layouts(params: Sequence[ParamSpec], largest: int, upper: int, world_size: int) -> Iterator[Layout]:
+    """The layouts of at most ``_MAX_CANDIDATES`` chunk sizes from ``largest`` to ``upper``, ascending."""
     step = max(ALIGN, _align(math.ceil((upper - largest) / _MAX_CANDIDATES)))
     candidates = list(range(largest, upper + 1, step))
     if candidates[-1] != upper:
         candidates.append(upper)
-    best: Layout | None = None
     for size in candidates:
-        layout = plan_layout(params, size, world_size=world_size)
+        yield plan_layout(params, size, world_size=world_size)
+
+
+def _best_layout(params: Sequence[ParamSpec], largest: int, upper: int, world_size: int) -> Layout:
+    best: Layout | None = None
+    for layout in _layouts(params, largest, upper, world_size):
         if best is None or layout.capacity_elements <= best.capacity_elements:
             best = layout
     assert best is not None

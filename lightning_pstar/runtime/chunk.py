@@ -16,6 +16,31 @@ HOST copy instead of crashing the process. Before a module runs again its chunk 
 parameter points at the (refilled) device storage again, before autograd can save anything new. (In mixed
 precision, while a param slot holds its gradient -- after backward, until the step -- the parameter points
 at its fp32 master instead: ``ChunkManager.point_at_chunk``.)
+
+Both buffers are created with an EMPTY storage (:func:`_unbacked`): a chunk that starts on HOST never
+allocates a byte on the device, not even for an instant (``torch.empty(capacity, device=cuda)`` followed by
+``resize_(0)`` would take the block from the caching allocator and keep it reserved), and a chunk that
+starts on DEVICE pins nothing on the host.
+
+[Note: streams]
+On CUDA, copies between tiers run on one side stream (the residency's copy stream), by PyTorch's rules for
+memory used across streams (``torch.cuda.Stream.wait_stream``, ``Tensor.record_stream``, ``torch.cuda.Event``):
+
+1. Before a copy writes a device block, the copy stream waits for the compute stream
+   (``copy.wait_stream(compute)``): the caching allocator hands out blocks per stream, and the block
+   ``resize_`` just gave the target may have been freed by a kernel the compute stream has not run yet.
+   The same wait orders an eviction after the kernels that last wrote the chunk.
+2. A device block freed (``resize_(0)``) while a copy may still read or write it is first marked with
+   ``record_stream(copy)``: the allocator then reuses it only after the copy stream's work queued so far
+   is done. Evictions free their device source this way without waiting on the CPU.
+3. The copy records an event; a consumer waits on it where it reads the bytes (:meth:`Chunk.wait`). The
+   compute stream waits on the event (``current_stream().wait_event``), the CPU never calls
+   ``synchronize()`` for a fetch. Only a reader on the CPU (a host optimizer step, a state dict) blocks,
+   on that one event, after an asynchronous eviction.
+4. The pinned HOST source of a fetch is freed as soon as the compute stream waits: torch's caching host
+   allocator records an event on every non-blocking copy from pinned memory and reuses the block only once
+   that event has completed, so freeing early is safe.
+Without a copy stream (the simulated device, or a copy on the CPU side) every copy is synchronous.
 """
 
 from __future__ import annotations
@@ -122,11 +147,10 @@ class Chunk:
         self._device = device
         self._stats = stats
         self._pin_host = device.type == "cuda"
-        self._device_buffer = torch.empty(capacity, dtype=dtype, device=device)
-        self._device_buffer.untyped_storage().resize_(0)
+        self._device_buffer = _unbacked(capacity, dtype, device)  # nothing allocated (see the module note)
         self._host_buffer = None
         self._tier = None
-        self._pending: torch.cuda.Event | None = None  # an asynchronous host-to-device copy in flight
+        self._pending: torch.cuda.Event | None = None  # an asynchronous copy in flight (see [Note: streams])
 
     # ---- properties -------------------------------------------------------------------------------------
     @property
@@ -189,9 +213,9 @@ class Chunk:
     def move_to(self, tier: Tier, *, stream: torch.cuda.Stream | None = None) -> None:
         """Copy the bytes to ``tier`` and free the source storage in place. A no-op if already there.
 
-        With ``stream`` (CUDA, HOST -> DEVICE only) the copy runs asynchronously on that stream from the
-        pinned host buffer; :meth:`wait` must be called before the device bytes are used, and frees the
-        host storage once the copy is done.
+        With ``stream`` (CUDA) the copy runs asynchronously on that stream, by the rules of [Note: streams];
+        :meth:`wait` (called by :attr:`data`) orders the reader after it. A fetch frees its host source there,
+        an eviction frees its device source at once (protected by ``record_stream``).
         """
         self.wait()
         if self._tier is tier:
@@ -202,11 +226,8 @@ class Chunk:
             raise RuntimeError(f"chunk {self.chunk_id} is in use by a module (COMPUTE) and cannot move")
         source = self.buffer
         target = self._storage_for(tier, allocate=True)
-        if stream is not None and tier is Tier.DEVICE and target.is_cuda:
-            with torch.cuda.stream(stream):
-                target.copy_(source, non_blocking=True)
-                self._pending = torch.cuda.Event()
-                self._pending.record(stream)
+        if stream is not None and (source.is_cuda or target.is_cuda):
+            self._copy_on_stream(source, target, stream)
         else:
             target.copy_(source, non_blocking=False)
             source.untyped_storage().resize_(0)
@@ -219,15 +240,36 @@ class Chunk:
             self._stats.moves_off_device += 1
         self._tier = tier
 
+    def _copy_on_stream(self, source: torch.Tensor, target: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Rules 1-3 of [Note: streams]: wait for compute, copy, record the event; an eviction frees its
+        device source at once under ``record_stream``."""
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            target.copy_(source, non_blocking=True)
+            self._pending = torch.cuda.Event()
+            self._pending.record(stream)
+        if source.is_cuda:  # an eviction: the device block returns to the allocator after the copy only
+            source.record_stream(stream)
+            source.untyped_storage().resize_(0)
+        else:  # a fetch: the device block is read on the compute stream, written on the copy stream
+            target.record_stream(stream)
+
     def wait(self) -> None:
-        """Make the current CUDA stream wait for an asynchronous fetch, then free its host source."""
-        if self._pending is None:
+        """Order the reader after an asynchronous copy ([Note: streams], rules 3 and 4).
+
+        After a fetch the compute stream waits on the copy's event (no CPU synchronisation) and the pinned
+        host source is freed; after an eviction the CPU, about to read the host bytes, waits on the event.
+        """
+        pending = self._pending
+        if pending is None:
             return
-        torch.cuda.current_stream(self._device).wait_event(self._pending)
-        self._pending.synchronize()  # the pinned source may be freed only after the copy has read it
         self._pending = None
-        assert self._host_buffer is not None
-        self._host_buffer.untyped_storage().resize_(0)
+        if self._tier is Tier.DEVICE:
+            torch.cuda.current_stream(self._device).wait_event(pending)
+            assert self._host_buffer is not None
+            self._host_buffer.untyped_storage().resize_(0)  # the host allocator's event guards the block
+        else:
+            pending.synchronize()
 
     def release(self) -> None:
         """Free the storage on every tier (the chunk's slots are no longer needed)."""
@@ -242,15 +284,42 @@ class Chunk:
             buf = self._device_buffer
         else:
             if self._host_buffer is None:
-                self._host_buffer = torch.empty(self.capacity, dtype=self.dtype, pin_memory=self._pin_host)
-                self._host_buffer.untyped_storage().resize_(0)
+                self._host_buffer = _unbacked(self.capacity, self.dtype, torch.device("cpu"), pin=self._pin_host)
             buf = self._host_buffer
-        if allocate and buf.untyped_storage().nbytes() == 0:
-            buf.untyped_storage().resize_(self.nbytes)
-        return buf
+        return _backed(buf, self.capacity) if allocate else buf
 
     def __repr__(self) -> str:
         tier = self._tier.value if self._tier else "released"
         return (
             f"Chunk(id={self.chunk_id}, kind={self.kind.value}, dtype={self.dtype}, capacity={self.capacity}, {tier})"
         )
+
+
+def _unbacked(capacity: int, dtype: torch.dtype, device: torch.device, *, pin: bool = False) -> torch.Tensor:
+    """A 1-D buffer of ``dtype`` on ``device`` whose storage holds no bytes yet (``_backed`` gives it some).
+
+    On a caching allocator (CUDA, pinned host memory) nothing is allocated at all: the tensor starts with
+    zero elements and takes its ``capacity`` shape the first time it is backed. A tensor cannot carry a
+    shape larger than its storage without ``set_`` growing the storage, and a block allocated and
+    resized to 0 stays reserved in the cache. Plain host memory has no cache: there the buffer is
+    allocated at full shape and freed at once, so it shows its shape from the start.
+    """
+    if pin:
+        return torch.empty(0, dtype=dtype, pin_memory=True)
+    if device.type in ("cuda", "meta"):
+        return torch.empty(0, dtype=dtype, device=device)
+    buf = torch.empty(capacity, dtype=dtype, device=device)
+    buf.untyped_storage().resize_(0)
+    return buf
+
+
+def _backed(buf: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Give ``buf``'s own storage ``capacity`` elements in place (same storage object: [Note: storage
+    identity]) and, the first time, the shape that goes with them."""
+    nbytes = capacity * buf.element_size()
+    storage = buf.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(nbytes)
+    if buf.numel() != capacity:
+        buf.set_(storage, 0, (capacity,), (1,))
+    return buf

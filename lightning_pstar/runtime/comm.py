@@ -16,13 +16,22 @@ import torch.distributed as dist
 
 from lightning_pstar.planning.layout import group_of, owner_of
 
-__all__ = ["ChunkComm", "group_of", "owner_of"]
+__all__ = ["ChunkComm", "group_for", "group_of", "owner_of"]
+
+
+def group_for(device: torch.device, group: Any | None, cpu_group: Any | None) -> Any | None:
+    """The process group a collective on a tensor of ``device`` must use: ``cpu_group`` (gloo, created next
+    to an NCCL group) for host tensors when there is one, since NCCL takes only CUDA tensors; ``group``
+    otherwise."""
+    if device.type == "cpu" and cpu_group is not None:
+        return cpu_group
+    return group
 
 
 class ChunkComm:
     """Collectives over one process group, for chunks."""
 
-    def __init__(self, *, rank: int, world_size: int, group: Any | None = None) -> None:
+    def __init__(self, *, rank: int, world_size: int, group: Any | None = None, cpu_group: Any | None = None) -> None:
         if world_size > 1 and not dist.is_initialized():
             raise RuntimeError(
                 f"world size {world_size} needs an initialised torch.distributed process group."
@@ -31,8 +40,13 @@ class ChunkComm:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.cpu_group = cpu_group  # gloo beside NCCL: collectives on host tensors (see group_for)
         self.gathered_bytes = 0  # bytes received by all-gathers
         self.reduced_bytes = 0  # bytes sent to reduce-scatters
+
+    def group_for(self, tensor: torch.Tensor) -> Any | None:
+        """The group for a collective on ``tensor`` (:func:`group_for`)."""
+        return group_for(tensor.device, self.group, self.cpu_group)
 
     @property
     def distributed(self) -> bool:
@@ -47,7 +61,8 @@ class ChunkComm:
         """
         if not self.distributed:
             return None
-        work = dist.all_gather(list(buffers), buffers[rank_in_group], group=self.group, async_op=True)
+        group = group_for(buffers[rank_in_group].device, self.group, self.cpu_group)
+        work = dist.all_gather(list(buffers), buffers[rank_in_group], group=group, async_op=True)
         self.gathered_bytes += sum(b.numel() * b.element_size() for i, b in enumerate(buffers) if i != rank_in_group)
         return work
 
@@ -58,27 +73,28 @@ class ChunkComm:
             output.copy_(inputs[0])
             return None
         self.reduced_bytes += sum(t.numel() * t.element_size() for t in inputs)
-        return dist.reduce_scatter(output, list(inputs), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        group = group_for(output.device, self.group, self.cpu_group)
+        return dist.reduce_scatter(output, list(inputs), op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def start_all_reduce_min(self, tensor: torch.Tensor) -> Any:
         """Start an element-wise minimum over ranks in place; returns the work handle (None with one rank)."""
         if not self.distributed:
             return None
-        return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group_for(tensor), async_op=True)
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group_for(tensor))
         return tensor
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group_for(tensor))
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         if self.distributed:
-            dist.broadcast(tensor, src=src, group=self.group)
+            dist.broadcast(tensor, src=src, group=self.group_for(tensor))
         return tensor
 
     def to_rank0_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -87,12 +103,12 @@ class ChunkComm:
         sends were seen to abort worker processes at exit."""
         if not self.distributed or src == 0:  # rank 0 already holds it; nobody else keeps it
             return tensor
-        dist.broadcast(tensor, src=src, group=self.group)
+        dist.broadcast(tensor, src=src, group=self.group_for(tensor))
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.cpu_group if self.cpu_group is not None else self.group)
         return out

@@ -93,6 +93,7 @@ class ChunkManager:
         self.accumulates = accumulates  # declared at setup: mixed precision keeps an fp32 gradient sum
         self.phase = Phase.IDLE
         self.moment_chunk_bytes: dict[int, int] = {}  # moment index -> chunk bytes on the device (last seen)
+        self._stepped = False  # an optimizer stepped since training started (the warm-up can end)
         self._module_names: list[str] = []  # by module index, for moment labels (built on first report)
         self._forward_versions: dict[int, list[int]] = {}  # module index -> its weights' versions at pre-forward
         self._materialised = False
@@ -348,6 +349,7 @@ class ChunkManager:
     def begin_training_batch(self) -> None:
         """A training micro-batch starts; the first one of the run starts the warm-up trace."""
         self.finish_backward()
+        self.end_warmup_if_stepped()
         self.grads.carry_over(self.records)  # gradients no step consumed yet (manual accumulation)
         self.phase = Phase.TRAINING
         self.sharding.begin_pass()
@@ -474,6 +476,8 @@ class ChunkManager:
     def end_training(self) -> None:
         """Training micro-batches are over for now (evaluation, or the end of fit): nothing is traced."""
         self.finish_backward()
+        if self.phase.training:
+            self.end_warmup_if_stepped()
         self.phase = Phase.IDLE
 
     def begin_eval_pass(self) -> None:
@@ -501,8 +505,18 @@ class ChunkManager:
             if self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
                 self.moment_chunk_bytes[self.tracer.cursor] = self.residency.device_used()
 
+    def optimizer_stepped(self) -> None:
+        """An optimizer stepped: the warm-up iteration ends before the next micro-batch (an iteration may hold
+        several steps: one per optimizer of a GAN-style recipe)."""
+        self._stepped = True
+
+    def end_warmup_if_stepped(self) -> None:
+        """Close the warm-up once its iteration had an optimizer step (at the next batch or the end of training)."""
+        if self._stepped:
+            self.end_warmup_if_recording()
+
     def end_warmup_if_recording(self) -> None:
-        """After the first optimizer step: close the trace, check the budget, plan optimizer placement."""
+        """Close the trace, check the budget, plan optimizer placement (see ``runtime/warmup.py``)."""
         if self.tracer.recording:
             end_warmup(self.tracer, self.residency, self.sharding)
 

@@ -4,15 +4,25 @@ Runs once, after :class:`~lightning_pstar.runtime.manager.ChunkManager` has plan
 before anything changed). Parameters built on the meta device are initialised module by module with the
 module's own ``reset_parameters()`` and copied into their slots; tied parameters keep the initialisation of
 the last module that owns them.
+
+Setup never holds the full fp32 model on the device: a meta parameter's fp32 temporary lives only while
+the modules that own it are initialised, and is dropped (the parameter re-pointed at its slot) right after
+the last of them has been copied into the chunks. At any moment the device holds the chunks the budget
+allows plus the temporaries of one module (and of tied parameters whose last owner is still to come); the
+temporaries count against the device budget like chunks (chunks are evicted to make room for them), and
+:attr:`Materialiser.peak_device_bytes` measures the sum. A parameter re-pointed early may later point at a
+chunk storage that an eviction emptied; the final re-pointing puts every parameter on its chunk's tier.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable
 from lightning_pstar.runtime.residency import Residency
@@ -20,6 +30,8 @@ from lightning_pstar.runtime.sharding import Sharding
 from lightning_pstar.runtime.state import TensorState, Tier
 
 __all__ = ["Materialiser", "meta_modules"]
+
+log = logging.getLogger(__name__)
 
 
 def meta_modules(module: nn.Module, table: ParamTable) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -60,6 +72,8 @@ class Materialiser:
         self.frozen_master = frozen_master
         self.on_write = on_write  # weights changed (the manager's version counter)
         self.device = residency.device
+        self._temporaries: dict[int, int] = {}  # record index -> bytes of its fp32 temporary on the device
+        self.peak_device_bytes = 0  # chunks on the device plus live temporaries, at their highest during setup
 
     def run(self, host_params: dict[str, nn.Parameter], layout: tuple[int, int, int, int], detail: str) -> None:
         with_params, with_buffers = meta_modules(self.module, self.table)
@@ -77,20 +91,38 @@ class Materialiser:
             if not record.param.is_meta and self.sharding.owns(record.family):
                 self.fill_slot(record, record.param.detach())
         from_meta = {r.index for r in self.table.records if r.param.is_meta}
-        for mod in with_params:
+        last_owner = {r.index: i for i, mod in enumerate(with_params) for r in self.table.direct_records(mod)}
+        for i, mod in enumerate(with_params):
             self._materialise_meta_module(mod, from_meta)
+            self._drop_temporaries([r for r in self.table.direct_records(mod) if last_owner.get(r.index) == i])
         for mod in with_buffers:
             self._materialise_buffers(mod)
             if mod not in with_params:
                 with torch.no_grad():
                     mod.reset_parameters()  # type: ignore[operator]
+        self._note_device_bytes()
         for record in self.table.records:
-            if self.sharding.owns(record.family):
-                self.residency.point_at_chunk(record)
-            else:
-                self.sharding.point_at_poison(record)
+            self._point(record)
             record.set_state(TensorState.HOLD)
+        self._temporaries.clear()
         self.residency.repoint = True
+        self.residency.setup_peak_device_bytes = self.peak_device_bytes
+
+    def _point(self, record: ParamRecord) -> None:
+        if self.sharding.owns(record.family):
+            self.residency.point_at_chunk(record)
+        else:
+            self.sharding.point_at_poison(record)
+
+    def _drop_temporaries(self, records: list[ParamRecord]) -> None:
+        """Re-point parameters whose every owner has been initialised: their fp32 temporaries are freed."""
+        for record in records:
+            if self._temporaries.pop(record.index, None) is not None:
+                self._point(record)
+
+    def _note_device_bytes(self) -> None:
+        live = self.residency.device_used() + sum(self._temporaries.values())
+        self.peak_device_bytes = max(self.peak_device_bytes, live)
 
     def fill_slot(self, record: ParamRecord, value: torch.Tensor) -> None:
         """Write ``value`` into the record's param slot (and its fp32 master)."""
@@ -117,14 +149,29 @@ class Materialiser:
             if buf is not None and buf.is_meta:
                 mod._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=self.device)
 
+    def _make_room_for(self, params: list[nn.Parameter]) -> None:
+        """Evict param chunks (as the budget's policy would) so that the temporaries about to be created, and
+        those still held, fit beside the chunks. Best effort: a module whose fp32 weights alone exceed the
+        room is still initialised (its peak is then measured, not refused)."""
+        new = sum(p.numel() * self.table.by_id[id(p)].orig_dtype.itemsize for p in params)
+        if not new:
+            return
+        try:
+            self.residency.ensure_device_room(new + sum(self._temporaries.values()), protect=set())
+        except MemoryBudgetError:
+            log.debug("materialising %s: its fp32 temporaries do not fit beside the chunks", type(self.module))
+
     def _materialise_meta_module(self, mod: nn.Module, from_meta: set[int]) -> None:
         self._materialise_buffers(mod)
+        self._make_room_for([p for p in mod._parameters.values() if p is not None and p.is_meta])
         for param in list(mod._parameters.values()):
             if param is None or not param.is_meta:
                 continue
             record = self.table.by_id[id(param)]
             value = torch.empty(param.shape, dtype=record.orig_dtype, device=self.device)
+            self._temporaries[record.index] = value.numel() * value.element_size()
             self.table.replace_parameter(self.module, record, nn.Parameter(value, requires_grad=param.requires_grad))
+        self._note_device_bytes()
         with torch.no_grad():
             mod.reset_parameters()  # type: ignore[operator]
         for record in self.table.direct_records(mod):

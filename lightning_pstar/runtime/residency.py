@@ -52,7 +52,8 @@ class Residency:
         self.pinned: set[int] = set()
         self.repoint = False  # parameters follow their chunk's moves (off while materialising)
         self._tick = 0
-        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches copy on this stream
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches and evictions copy on it
+        self.setup_peak_device_bytes = 0  # chunks plus materialisation temporaries, at their highest in setup
 
     # ---- chunks ------------------------------------------------------------------------------------------
     def new_chunk(self, family: ChunkFamily, kind: ChunkKind, dtype: torch.dtype) -> Chunk:
@@ -106,22 +107,27 @@ class Residency:
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
         """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.
 
-        ``asynchronous`` (a prefetch on CUDA) copies on a side stream; the chunk waits for it on access.
+        On CUDA a prefetch (``asynchronous``) and every eviction copy on the side stream, by the rules of
+        [Note: streams] in ``chunk.py``; the chunk orders its next reader after the copy.
         """
         chunk = family.param_chunk
         if chunk.tier is tier:
             return
         if tier is Tier.HOST:
             self.check_host_room(chunk.nbytes)
-        stream = None
-        if asynchronous and self.device.type == "cuda":
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.device)
-            stream = self._copy_stream
+        stream = self.copy_stream() if asynchronous or tier is Tier.HOST else None
         chunk.move_to(tier, stream=stream)
         if self.repoint:
             for record in family.records:
                 self.point_at_chunk(record)
+
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The side stream of every asynchronous copy (CUDA only; None on any other device)."""
+        if self.device.type != "cuda":
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
 
     # ---- budgets -----------------------------------------------------------------------------------------
     def ensure_device_room(self, nbytes: int, *, protect: set[int]) -> None:

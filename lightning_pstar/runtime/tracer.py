@@ -164,7 +164,13 @@ class MemoryTracer:
         if not self.warmed_up or not self.matches:
             return
         if kind is MomentKind.STEP:
-            self.cursor = len(self.trace.moments) - 1
+            # the trace's next step: with several optimizers an iteration has several steps (a GAN's generator
+            # and discriminator cycles); accumulated micro-batches each restart at the trace's first moment,
+            # so their step is the trace's last
+            moments = self.trace.moments
+            after = self.cursor + 1
+            steps = (i for i in range(max(after, 0), len(moments)) if moments[i].kind is MomentKind.STEP)
+            self.cursor = next(steps, len(moments) - 1)
             return
         nxt = self.cursor + 1
         moments = self.trace.moments

@@ -96,7 +96,10 @@ class AttentionLM(nn.Module):
         return self.head(x + y)  # (B, T, VOCAB)
 
 
-ATTENTION_MODELS: dict[str, type[nn.Module]] = {"transformer_encoder": TransformerLM, "multihead_attention": AttentionLM}
+ATTENTION_MODELS: dict[str, type[nn.Module]] = {
+    "transformer_encoder": TransformerLM,
+    "multihead_attention": AttentionLM,
+}
 
 # --------------------------------------------------------------------------------------------------
 # Manual optimization
@@ -145,7 +148,9 @@ class ManualLM(L.LightningModule):
 
     def _optimizers(self) -> list[LightningOptimizer]:
         opts = self.optimizers()
-        return list(opts) if isinstance(opts, list) else [opts]  # type: ignore[list-item]
+        if isinstance(opts, list):
+            return list(opts)
+        return [opts]
 
     def _schedulers(self) -> list[Any]:
         schedulers = self.lr_schedulers()
@@ -153,7 +158,8 @@ class ManualLM(L.LightningModule):
             return []
         return list(schedulers) if isinstance(schedulers, list) else [schedulers]
 
-    def _step(self, opt: LightningOptimizer) -> None:
+    def _step(self, opt: Any) -> None:
+        # a LightningOptimizer, as ``self.optimizers()`` hands it out (Lightning's own examples clip it)
         spec = self.spec
         if spec.clip_val is not None:
             self.clip_gradients(opt, gradient_clip_val=spec.clip_val, gradient_clip_algorithm=spec.clip_algorithm)
@@ -237,17 +243,18 @@ def assert_within_bf16_noise(
     got: Sequence[float], plain_bf16: Sequence[float], plain_32: Sequence[float], *, what: str
 ) -> tuple[float, float]:
     """Every loss of ``got`` within ``BF16_FACTOR`` times the largest relative distance of plain bf16 from plain
-    32-true (over the steps up to and including it, since the distance grows as the runs diverge). Returns the
-    largest distances (PatrickStar's, plain bf16's) for the test to print."""
+    32-true over the run (per step the rounding noise is random: either side may happen to be closer at one
+    step). A real error (a gradient off by a factor, a wrong rounding) moves the loss by 1e-3 or more, far above
+    bf16's 1e-4. Returns the largest distances (PatrickStar's, plain bf16's) for the test to print."""
     ours, theirs = rel_gaps(got, plain_32), rel_gaps(plain_bf16, plain_32)
-    assert max(theirs) > 0, f"{what}: plain bf16 equals plain 32-true: the run is not in bf16"
+    noise = max(theirs)
+    assert noise > 0, f"{what}: plain bf16 equals plain 32-true: the run is not in bf16"
     for i, gap in enumerate(ours):
-        bound = BF16_FACTOR * max(theirs[: i + 1])
-        assert gap <= bound, (
+        assert gap <= BF16_FACTOR * noise, (
             f"{what}: step {i}: patrickstar bf16 loss {got[i]!r} is {gap:.3e} (relative) from plain 32-true"
-            f" {plain_32[i]!r}; plain bf16 was at most {max(theirs[: i + 1]):.3e} away so far (bound {bound:.3e})"
+            f" {plain_32[i]!r}; plain bf16 is at most {noise:.3e} away (bound {BF16_FACTOR * noise:.3e})"
         )
-    return max(ours), max(theirs)
+    return max(ours), noise
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

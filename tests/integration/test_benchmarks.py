@@ -103,3 +103,20 @@ def test_compare_and_gpu_check_write_complete_json(tmp_path: Path) -> None:
         _check_types(run, GPU_CHECK_RUN_KEYS, "gpu_check.py")
         assert run["trained"], gpu_out
     assert all(report["largest"][s] is not None for s in ("patrickstar", "fsdp-offload")), gpu_out
+
+
+def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
+    """benchmarks/scaling.py --quick (issue 18): PatrickStar's engine CPU per module, collectives per step and
+    bytes/param per rank at 1 and 2 ranks, in seconds."""
+    out_json = tmp_path / "scaling.json"
+    out = _finish(
+        _start(["benchmarks/scaling.py", "--quick", "--strategies", "patrickstar", "--json", str(out_json)]), 120
+    )
+    rows = {r["world_size"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {1, 2} and "engine/module" in out, out
+    for world, row in rows.items():
+        assert row["strategy"] == "patrickstar" and row["n_layer"] == 2
+        assert row["engine_us_per_module"] > 0 and row["modules"] > 0 and row["groups"] > 0
+        assert 0 < row["chunk_utilisation"] <= 1 and row["bytes_per_param"] > 0
+        assert (row["collectives_per_step"] > 0) == (world == 2)
+    assert rows[2]["bytes_per_param"] < rows[1]["bytes_per_param"]  # ZeRO: each rank keeps its own families

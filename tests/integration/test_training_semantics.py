@@ -65,7 +65,11 @@ def assert_parity(got: FitResult, ref: FitResult, *, what: str) -> None:
 def assert_both_sets_trained(run: FitResult, *, what: str) -> None:
     """Both optimizers' parameters (the encoder's and the decoder's) moved away from their initial values."""
     for part in ("encoder", "decoder"):
-        moved = [k for k in run.final if k.startswith(f"net.{part}.") and not torch.equal(run.final[k], run.recorder.initial_state[k])]
+        moved = [
+            k
+            for k in run.final
+            if k.startswith(f"net.{part}.") and not torch.equal(run.final[k], run.recorder.initial_state[k])
+        ]
         assert moved, f"{what}: no parameter of the {part} changed"
 
 
@@ -81,8 +85,7 @@ def test_two_optimizers_after_one_backward(decoder_first: bool, chunk_size: int 
     opt2 first): Adam on the encoder and SGD with momentum on the decoder change exactly as in plain Lightning."""
     spec = ManualSpec(pattern="one_backward", optims=("adam", "sgd"), decoder_first=decoder_first)
     ref = fit_manual(spec, "auto")
-    options = {} if chunk_size is None else {"chunk_size": chunk_size}
-    got = fit_manual(spec, PatrickStarStrategy(**options))
+    got = fit_manual(spec, PatrickStarStrategy() if chunk_size is None else PatrickStarStrategy(chunk_size=chunk_size))
     what = f"one backward, {'decoder' if decoder_first else 'encoder'} first, chunk_size={chunk_size}"
     assert ref.trainer.global_step == 2 * BATCHES  # Lightning counts every optimizer's step
     assert_parity(got, ref, what=what)

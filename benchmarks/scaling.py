@@ -1,0 +1,364 @@
+"""The engine's fixed cost per module and per collective, as a narrow GPT gets deeper (issue 18).
+
+    python benchmarks/scaling.py --repeats 3 --threads 1 --json /tmp/scaling.json   # 2, 8, 32 layers
+    python benchmarks/scaling.py --quick                                            # seconds: 2 layers, 2 steps
+
+For every depth in ``--layers`` a narrow demo GPT (``--n-embd`` 64, 2 heads, bf16-mixed, fused AdamW) is trained
+on 1 rank (``patrickstar`` against ``auto``) and on 2 CPU ranks (``patrickstar`` against ``ddp`` and FSDP2,
+launched as ``benchmarks/distributed.py`` launches them: fresh ``spawn`` processes, a process group of their
+own). Reported per run, over the measured steps (the first ``--warmup`` steps dropped):
+
+- ``step_ms``: median training step, the slower rank counting;
+- ``engine_us_per_module``: PatrickStar's CPU time (``time.thread_time``, so waiting on a peer does not count)
+  inside the manager's per-module and per-parameter verbs (pre/post forward, pre/post backward, gradient
+  ready, backward start and end), per step and per module that has chunk parameters;
+- ``collectives_per_step``: collectives PatrickStar's :class:`ChunkComm` starts per step (all-gathers,
+  reduce-scatters, all-reduces, broadcasts), next to ``groups`` (chunk groups of the layout);
+- ``bytes_per_param``: model data held per rank (PatrickStar: every chunk of its memory report; auto/ddp:
+  16 bytes per parameter; FSDP2: 16 bytes per element of the rank's shards).
+
+Measuring wraps the manager's and the communicator's methods on their instances, in the benchmark only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue as queue_module
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed import _free_port, _fsdp_module_class  # noqa: E402
+
+ONE_RANK = ("auto", "patrickstar")
+TWO_RANKS = ("ddp", "patrickstar", "fsdp")
+ENGINE_VERBS = (
+    "pre_forward",
+    "post_forward",
+    "pre_backward",
+    "post_backward",
+    "grad_ready",
+    "begin_backward",
+    "finish_backward",
+    "begin_training_batch",
+)
+COMM_VERBS = (
+    "all_gather_chunks",
+    "start_reduce_scatter",
+    "start_all_reduce_min",
+    "all_reduce_max_",
+    "all_reduce_sum_",
+    "broadcast_",
+)
+RUN_TIMEOUT_S = 900.0
+FP32_ADAM_BYTES_PER_PARAM = 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="2,8,32", help="comma-separated depths (default: 2,8,32)")
+    parser.add_argument("--ranks", default="1,2", help="comma-separated world sizes, 1 and/or 2 (default: 1,2)")
+    parser.add_argument("--strategies", default="all", help="comma-separated subset of auto,ddp,patrickstar,fsdp")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per run (default: 8)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps run first and not measured (default: 3)")
+    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--n-head", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs; the fastest counts (default: 1)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default: 1)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--quick", action="store_true", help="2 layers, 2 + 1 steps, no FSDP2: a smoke run")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.steps, args.warmup = "2", 2, 1
+        if args.strategies == "all":
+            args.strategies = "auto,ddp,patrickstar"
+    if args.steps < 1 or args.warmup < 1 or args.repeats < 1 or args.threads < 1:
+        parser.error("--steps, --warmup, --repeats and --threads must be >= 1")
+    args.layer_list = [int(x) for x in args.layers.split(",")]
+    args.rank_list = [int(x) for x in args.ranks.split(",")]
+    if set(args.rank_list) - {1, 2}:
+        parser.error("--ranks accepts 1 and 2")
+    wanted = set(ONE_RANK + TWO_RANKS) if args.strategies == "all" else set(args.strategies.split(","))
+    unknown = wanted - set(ONE_RANK + TWO_RANKS)
+    if unknown:
+        parser.error(f"unknown strategies {sorted(unknown)}")
+    args.runs = [(w, s) for w in args.rank_list for s in (ONE_RANK if w == 1 else TWO_RANKS) if s in wanted]
+    return args
+
+
+# ---- instruments (installed on the manager's and the communicator's instances) ------------------------------
+
+
+class EngineMeter:
+    """CPU time inside the manager's verbs and collectives started, while ``active``."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.cpu_s = 0.0
+        self.collectives: dict[str, int] = dict.fromkeys(COMM_VERBS, 0)
+        self._depth = 0
+        self.modules = 0  # modules with chunk parameters
+
+    def install(self, manager: Any) -> None:
+        self.modules = len(manager.module_records)
+        for name in ENGINE_VERBS:
+            setattr(manager, name, self._timed(getattr(manager, name)))
+        for name in COMM_VERBS:
+            setattr(manager.comm, name, self._counted(name, getattr(manager.comm, name)))
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth or not self.active:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.cpu_s += time.thread_time() - start
+                self._depth -= 1
+
+        return timed
+
+    def _counted(self, name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.active and fn.__self__.distributed:  # one rank: every call is the identity
+                self.collectives[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _meter_callback(meter: EngineMeter, warmup: int) -> Any:
+    import lightning as L
+
+    class Meter(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            manager = getattr(trainer.strategy, "_manager", None)
+            if manager is not None:
+                meter.install(manager)
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+            meter.active = i >= warmup
+
+    return Meter()
+
+
+# ---- one rank of one run (a spawned process) -------------------------------------------------------------
+
+
+def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_layer: int) -> dict[str, Any]:
+    import lightning as L
+    import torch
+
+    from lightning_pstar import PatrickStarStrategy
+    from lightning_pstar.demos import GPTLightningModule, StdlibCharDataModule
+    from lightning_pstar.demos.timing import StepTimer
+
+    torch.set_num_threads(args.threads)
+    L.seed_everything(args.seed, verbose=False)
+    total = args.warmup + args.steps
+    datamodule = StdlibCharDataModule(
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        max_chars=max(100_000, 2 * total * world * args.batch_size * (args.block_size + 1)),
+        val_fraction=0.05,
+    )
+    kwargs: dict[str, Any] = {
+        "vocab_size": args.vocab_size,
+        "block_size": args.block_size,
+        "n_layer": n_layer,
+        "n_head": args.n_head,
+        "n_embd": args.n_embd,
+        "warmup_steps": min(10, total),
+        "fused": True,
+        "meta_init": True,
+    }
+    strategy: Any = "auto"
+    module: L.LightningModule = GPTLightningModule(**kwargs)
+    if name == "patrickstar":
+        strategy = PatrickStarStrategy()
+    elif name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(find_unused_parameters=False)
+    elif name == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        module = _fsdp_module_class()(bf16=True, **kwargs)
+    meter = EngineMeter()
+    timer = StepTimer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=total,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer, _meter_callback(meter, args.warmup)],
+    )
+    trainer.fit(module, datamodule=datamodule)
+    params = list(module.gpt.parameters())  # type: ignore[attr-defined]
+    num_params = sum(p.numel() for p in params)
+    local = sum(p.to_local().numel() for p in params) if name == "fsdp" else num_params
+    result: dict[str, Any] = {
+        "rank": rank,
+        "num_params": num_params,
+        "step_s": statistics.median(timer.times[args.warmup :]),
+        "bytes_per_param": FP32_ADAM_BYTES_PER_PARAM * local / num_params,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    if name == "patrickstar" and timer.report is not None and meter.modules:
+        modules = meter.modules
+        result.update(
+            bytes_per_param=timer.report["model_data_bytes"] / num_params,
+            modules=modules,
+            groups=timer.report["num_chunks"] // world,
+            chunk_size=timer.report["chunk_size"],
+            chunk_utilisation=timer.report["chunk_utilisation"],
+            engine_us_per_module=meter.cpu_s / args.steps / modules * 1e6,
+            collectives_per_step=sum(meter.collectives.values()) / args.steps,
+            collectives_by_kind={k: v / args.steps for k, v in meter.collectives.items() if v},
+        )
+    return result
+
+
+def _rank_main(rank: int, world: int, env: dict[str, str], args: argparse.Namespace, run: tuple[str, int], q: Any):  # type: ignore[no-untyped-def]
+    os.environ.update(env)
+    try:
+        q.put(("ok", rank, train_rank(rank, world, args, *run)))
+    except BaseException:
+        q.put(("error", rank, traceback.format_exc()))
+        raise
+
+
+def launch(args: argparse.Namespace, world: int, name: str, n_layer: int) -> list[dict[str, Any]]:
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    port = str(_free_port())
+    print(f"running {name} on {world} rank(s), {n_layer} layers ...", flush=True)
+    procs = []
+    for rank in range(world):
+        env = {"OMP_NUM_THREADS": str(args.threads)}
+        if world > 1:
+            env.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                WORLD_SIZE=str(world),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                NODE_RANK="0",
+            )
+        proc = ctx.Process(target=_rank_main, args=(rank, world, env, args, (name, n_layer), q))
+        proc.start()
+        procs.append(proc)
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{name} ({world} ranks, {n_layer} layers) did not finish in {RUN_TIMEOUT_S:.0f} s")
+            try:
+                status, rank, payload = q.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                if dead:
+                    raise SystemExit(f"{name} failed: exit codes by rank {dead}") from None
+                continue
+            if status != "ok":
+                raise SystemExit(f"{name} failed on rank {rank}:\n{payload}")
+            results[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[r] for r in range(world)]
+
+
+def summarise(name: str, world: int, n_layer: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "strategy": name,
+        "world_size": world,
+        "n_layer": n_layer,
+        "params": ranks[0]["num_params"],
+        "step_ms": max(r["step_s"] for r in ranks) * 1e3,
+        "bytes_per_param": max(r["bytes_per_param"] for r in ranks),
+    }
+    if name == "patrickstar":
+        for key in ("modules", "groups", "chunk_size", "chunk_utilisation", "collectives_by_kind"):
+            row[key] = ranks[0][key]
+        row["engine_us_per_module"] = max(r["engine_us_per_module"] for r in ranks)
+        row["collectives_per_step"] = ranks[0]["collectives_per_step"]
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    ref = {(r["world_size"], r["n_layer"]): r for r in rows if r["strategy"] in ("auto", "ddp")}
+    header = (
+        f"{'layers':>6} {'ranks':>5} {'strategy':<12} {'step':>9} {'vs ref':>7} {'engine/module':>13}"
+        f" {'colls/step':>10} {'groups':>6} {'util':>5} {'B/param':>8}"
+    )
+    print()
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        base = ref.get((r["world_size"], r["n_layer"]))
+        ratio = f"{r['step_ms'] / base['step_ms']:.2f}x" if base else "-"
+        engine = f"{r['engine_us_per_module']:.0f} us" if "engine_us_per_module" in r else "-"
+        colls = f"{r['collectives_per_step']:.0f}" if "collectives_per_step" in r else "-"
+        groups = str(r.get("groups", "-"))
+        util = f"{r['chunk_utilisation']:.2f}" if "chunk_utilisation" in r else "-"
+        print(
+            f"{r['n_layer']:>6} {r['world_size']:>5} {r['strategy']:<12} {r['step_ms']:>6.1f} ms {ratio:>7}"
+            f" {engine:>13} {colls:>10} {groups:>6} {util:>5} {r['bytes_per_param']:>8.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    if repo_root not in sys.path:
+        sys.path.insert(0, repo_root)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
+    tries: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    for _ in range(args.repeats):  # interleaved, so a slow phase of the machine hits every run alike
+        for n_layer in args.layer_list:
+            for world, name in args.runs:
+                row = summarise(name, world, n_layer, launch(args, world, name, n_layer))
+                tries.setdefault((n_layer, world, name), []).append(row)
+    rows = []
+    for runs in tries.values():
+        best = min(runs, key=lambda r: r["step_ms"])
+        best["repeat_step_ms"] = [r["step_ms"] for r in runs]
+        rows.append(best)
+    print_table(rows)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        options = {k: str(v) for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": options, "rows": rows}, indent=2))
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

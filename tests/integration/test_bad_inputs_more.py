@@ -1,0 +1,134 @@
+"""Bad inputs of issue 14: each is refused with a message naming the problem, before any training step.
+
+Also: setup errors of ``configure_model`` (meta-device) models reach the user as themselves, and the strategy
+leaves torch's thread count as the user set it at one device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pstar import MemoryBudgetError, PatrickStarStrategy
+from lightning_pstar.checkpoint import CheckpointError
+from tests.helpers import OptimSpec, TinyLM, make_loader, make_trainer
+
+
+class _SaveAt(L.Callback):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _snapshot(module: TinyLM) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _assert_untouched(module: TinyLM, before: dict[str, torch.Tensor]) -> None:
+    assert module.training_steps_run == 0
+    after = module.state_dict()
+    for name, value in before.items():
+        assert torch.equal(after[name].detach().cpu().to(value.dtype), value), f"{name} changed"
+
+
+@pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
+def test_sgd_checkpoint_into_adamw_is_refused_naming_both(fmt: str, tmp_path: Path) -> None:
+    path = tmp_path / "sgd.ckpt"
+    sgd = TinyLM(optim=OptimSpec(name="sgd", momentum=0.9))
+    make_trainer(strategy=PatrickStarStrategy(checkpoint=fmt), max_steps=1, callbacks=[_SaveAt(1, path)]).fit(
+        sgd, make_loader()
+    )
+    module = TinyLM(optim=OptimSpec(name="adamw"), seed=999)
+    before = _snapshot(module)
+    trainer = make_trainer(strategy=PatrickStarStrategy(checkpoint=fmt), max_steps=2)
+    with pytest.raises(CheckpointError, match=r"SGD.*AdamW") as info:
+        trainer.fit(module, make_loader(), ckpt_path=str(path))
+    print(info.value)
+    _assert_untouched(module, before)
+
+
+def test_float64_parameter_is_refused() -> None:
+    module = TinyLM()
+    assert module.model is not None
+    module.model.lm_head.bias = torch.nn.Parameter(torch.zeros(module.model.lm_head.out_features, dtype=torch.float64))
+    before = _snapshot(module)
+    with pytest.raises(ValueError, match=r"lm_head\.bias.*float64"):
+        make_trainer(strategy=PatrickStarStrategy(), max_steps=1).fit(module, make_loader())
+    _assert_untouched(module, before)
+    assert module.model.lm_head.bias.dtype == torch.float64
+
+
+class _ZeroLM(TinyLM):
+    def configure_optimizers(self) -> Any:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+
+
+def test_zero_redundancy_optimizer_at_one_rank_is_explained() -> None:
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer.*HINT: return the plain optimizer"):
+        make_trainer(strategy=PatrickStarStrategy(), max_steps=1).fit(_ZeroLM(), make_loader())
+
+
+class _NoOptimizerLM(TinyLM):
+    def configure_optimizers(self) -> Any:
+        return None
+
+
+def test_configure_optimizers_returning_none_names_what_to_return() -> None:
+    with pytest.raises(ValueError, match=r"returned None.*torch\.optim\.AdamW") as info:
+        make_trainer(strategy=PatrickStarStrategy(), max_steps=1).fit(_NoOptimizerLM(), make_loader())
+    assert "_MockOptimizer" not in str(info.value)
+
+
+def test_bare_state_dict_as_ckpt_path_is_refused(tmp_path: Path) -> None:
+    module = TinyLM()
+    path = tmp_path / "weights.pt"
+    torch.save(module.state_dict(), path)
+    before = _snapshot(module)
+    with pytest.raises(CheckpointError, match=r"bare state_dict.*load_state_dict") as info:
+        make_trainer(strategy=PatrickStarStrategy(), max_steps=1).fit(module, make_loader(), ckpt_path=str(path))
+    assert str(path) in str(info.value)
+    _assert_untouched(module, before)
+
+
+def test_sharded_directory_in_plain_lightning_is_documented() -> None:
+    """Plain Lightning opens ckpt_path as a file: this package cannot intercept it, the docs say what to do."""
+    import lightning_pstar.checkpoint.sharded as sharded
+
+    assert sharded.__doc__ is not None and "python -m lightning_pstar.consolidate" in sharded.__doc__
+
+
+def test_meta_model_setup_error_reaches_the_user_as_itself() -> None:
+    module = TinyLM(meta_init=True)
+    trainer = make_trainer(strategy=PatrickStarStrategy(chunk_size=1024, device_memory_limit=1000), max_steps=2)
+    with pytest.raises(MemoryBudgetError) as info:
+        trainer.fit(module, make_loader())
+    assert "meta tensor" not in str(info.value)
+
+
+class _ThreadsLM(TinyLM):
+    seen: list[int]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.seen.append(torch.get_num_threads())
+        return super().training_step(batch, batch_idx)
+
+
+def test_thread_count_is_left_as_the_user_set_it() -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        module = _ThreadsLM()
+        module.seen = []
+        make_trainer(strategy=PatrickStarStrategy(), max_steps=2).fit(module, make_loader())
+        assert module.seen and set(module.seen) == {1}, module.seen
+    finally:
+        torch.set_num_threads(previous)
