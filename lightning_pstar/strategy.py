@@ -34,14 +34,14 @@ from lightning_pstar.checkpoint.io import (
     stored_keys,
     write_sharded,
 )
-from lightning_pstar.runtime.manager import ChunkManager
-from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.config import LossScaleConfig, PStarConfig
 from lightning_pstar.hardware import warn_if_slow_bf16
-from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport, format_bytes
+from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.hooks import ModelHooks
+from lightning_pstar.runtime.manager import ChunkManager
 
 __all__ = ["PatrickStarStrategy"]
 

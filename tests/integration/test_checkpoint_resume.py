@@ -193,7 +193,7 @@ def make_trainer(
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
-        "use_distributed_sampler": False,  # the same data order as strategy="auto" (see DESIGN.md)
+        "use_distributed_sampler": False,  # the same data order as strategy="auto"
         "gradient_clip_val": CLIP,
     }
     options.update(kwargs)

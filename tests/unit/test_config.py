@@ -145,7 +145,7 @@ def test_loss_scale_from_dict_in_pstar_config() -> None:
 
 
 def test_loss_scale_dict_with_unknown_key_is_a_value_error_naming_the_key() -> None:
-    # configuration mistakes are ValueErrors naming the field (STYLE.md); a misspelled nested key must not
+    # configuration mistakes are ValueErrors naming the field; a misspelled nested key must not
     # surface as a bare TypeError from the dataclass constructor
     with pytest.raises(ValueError, match=r"growth_intervall"):
         PStarConfig(loss_scale={"growth_intervall": 10})  # type: ignore[arg-type]
