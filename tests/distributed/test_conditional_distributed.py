@@ -221,6 +221,7 @@ def ddp_records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 # 64-element chunks: every Linear weight of every expert in a chunk of its own, so a rank that skips an expert
 # skips the modules of chunk groups the other rank needs; the default size puts the whole model in one group
 @pytest.mark.parametrize("chunk_size", [None, 64], ids=["default-chunks", "expert-per-group"])
+@pytest.mark.slow
 def test_experts_skipped_on_different_ranks(
     chunk_size: int | None, ddp_records: list[dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -34,6 +34,7 @@ def _explain(proc: subprocess.CompletedProcess[str]) -> str:
     )
 
 
+@pytest.mark.slow
 def test_tiny_run_with_patrickstar_prints_report_and_saves_a_plain_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run_example(run_dir)
@@ -55,6 +56,7 @@ def test_tiny_run_with_patrickstar_prints_report_and_saves_a_plain_checkpoint(tm
     torch.testing.assert_close(module.model.wte.weight, state_dict["model.wte.weight"].float())
 
 
+@pytest.mark.slow
 def test_tiny_run_with_sharded_checkpoints_samples_from_the_consolidated_file(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run_example(run_dir, "strategy.checkpoint=sharded")
@@ -69,6 +71,7 @@ def test_tiny_run_with_sharded_checkpoints_samples_from_the_consolidated_file(tm
     assert module.model is not None and module.model.lm_head.weight is module.model.wte.weight
 
 
+@pytest.mark.slow
 def test_tiny_run_with_plain_lightning(tmp_path: Path) -> None:
     proc = run_example(tmp_path / "run", "strategy=auto")
     assert proc.returncode == 0, _explain(proc)
@@ -93,6 +96,7 @@ def test_misspelled_strategy_option_fails_naming_it(tmp_path: Path, override: st
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_runs_both_strategies_and_writes_json(tmp_path: Path) -> None:
     # benchmarks/overhead.py shares the demos with the example; the smallest sizes keep this a smoke test.
     out = tmp_path / "overhead.json"
