@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,10 @@ def main(cfg: DictConfig) -> None:
     print(precision)
 
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("threads"):
+        # Lightning's launcher sets torch's thread count itself unless OMP_NUM_THREADS names one
+        os.environ["OMP_NUM_THREADS"] = str(int(cfg.threads))
+        torch.set_num_threads(int(cfg.threads))
     # TF32 matmuls on an Ampere+ GPU; no effect on CPU.
     torch.set_float32_matmul_precision("high")
     datamodule = StdlibCharDataModule(**OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]

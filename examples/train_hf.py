@@ -21,6 +21,7 @@ The script composes ``configs/train_gpt.yaml`` (strategy, trainer, data, seed) w
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -192,6 +193,10 @@ def main(cfg: DictConfig) -> None:
     print(precision)
 
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("threads"):
+        # Lightning's launcher sets torch's thread count itself unless OMP_NUM_THREADS names one
+        os.environ["OMP_NUM_THREADS"] = str(int(cfg.threads))
+        torch.set_num_threads(int(cfg.threads))
     torch.set_float32_matmul_precision("high")
     datamodule = StdlibCharDataModule(**OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]
     model_kwargs: dict[str, Any] = OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[assignment]
