@@ -1,6 +1,6 @@
 """Train a Hugging Face ``transformers`` model, built from a config (nothing is downloaded), with PatrickStar.
 
-    python examples/train_hf.py                        # a tiny GPT-2, bf16-mixed, about a minute on 2 CPU cores
+    python examples/train_hf.py                        # a tiny GPT-2, precision auto (see train_gpt.py)
     python examples/train_hf.py model=hf_llama         # a tiny Llama instead
     python examples/train_hf.py model.config.n_layer=4 trainer.max_steps=300
     python examples/train_hf.py model.gradient_checkpointing=true strategy.placement.policy=static \
@@ -21,6 +21,7 @@ The script composes ``configs/train_gpt.yaml`` (strategy, trainer, data, seed) w
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from typing_extensions import override
 
 from lightning_pstar.demos import StdlibCharDataModule
 from lightning_pstar.demos.module import WarmupCosineSchedule, param_groups
+from lightning_pstar.hardware import choose_precision
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +189,14 @@ def main(cfg: DictConfig) -> None:
             " or +experiment=hf_gpt2."
         )
     strategy = build_strategy(cfg.strategy)  # a bad option fails before the corpus is read
+    precision = choose_precision(cfg.trainer.get("precision", "auto"), cfg.trainer.get("accelerator", "auto"))
+    print(precision)
 
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("threads"):
+        # Lightning's launcher sets torch's thread count itself unless OMP_NUM_THREADS names one
+        os.environ["OMP_NUM_THREADS"] = str(int(cfg.threads))
+        torch.set_num_threads(int(cfg.threads))
     torch.set_float32_matmul_precision("high")
     datamodule = StdlibCharDataModule(**OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]
     model_kwargs: dict[str, Any] = OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[assignment]
@@ -203,8 +211,9 @@ def main(cfg: DictConfig) -> None:
 
     checkpoint = ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True)
     losses = LossSummary()
+    trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
     trainer = L.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]
+        **{**trainer_args, "precision": precision.precision},
         strategy=strategy,
         callbacks=[checkpoint, losses],
         logger=CSVLogger(output_dir, name="logs"),

@@ -1,7 +1,9 @@
 """lightning_pstar: PatrickStar chunk-based memory management as a Lightning strategy.
 
 Importing the package registers the strategy name ``"patrickstar"`` with Lightning, so
-``Trainer(strategy="patrickstar")`` works after ``import lightning_pstar``.
+``Trainer(strategy="patrickstar")`` works after ``import lightning_pstar``. A misspelled name
+(``strategy="patrickstr"``) gets Lightning's own "invalid strategy name" error: Lightning checks the name
+against its registry before any strategy code runs and offers no hook to suggest the close match.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -11,6 +13,7 @@ from lightning_pstar.config import LossScaleConfig, Placement, PStarConfig
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
+from lightning_pstar.runtime.manager import MemoryBudgetError
 from lightning_pstar.strategy import PatrickStarStrategy
 
 __all__ = [
@@ -24,6 +27,6 @@ __all__ = [
     "Placement",
     "plot_tide",
 ]
-__version__ = "0.1.0"
+__version__ = "0.1.0.dev0"  # pyproject.toml's version (tests/unit/test_package.py checks that they agree)
 
 PatrickStarStrategy.register_strategies(StrategyRegistry)

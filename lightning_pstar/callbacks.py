@@ -11,7 +11,7 @@
 The *tide* is PatrickStar's picture of one iteration: at every moment (before a module's forward, before
 its backward, the optimizer step) non-model memory (activations) rises and falls, and the room left for
 chunks under the device budget is what remains. :func:`plot_tide` draws it from a
-:class:`~lightning_pstar.runtime.manager.MemoryReport` and needs no Trainer.
+:class:`~lightning_pstar.report.MemoryReport` and needs no Trainer.
 
 matplotlib is optional (``pip install lightning-pstar[plot]``) and is imported only when a plot is drawn.
 """
@@ -28,18 +28,22 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pstar.report import MemoryReport
+from lightning_pstar.report import MemoryReport, format_bytes
 from lightning_pstar.strategy import PatrickStarStrategy
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["PatrickStarMonitor", "plot_tide"]
+__all__ = ["PatrickStarMonitor", "plot_tide", "tide_figure"]
 
 log = logging.getLogger(__name__)
 
 _MAX_TICK_LABELS = 24  # more moment labels than this are thinned so that they stay readable
-_MIB = 2**20
+_HEAD_ROOM = 1.25  # the y-axis ends this far above the highest value drawn: room for the legend
+_BUDGET_ON_SCALE = 2.0  # a budget up to this multiple of the tide's peak is drawn as a line; higher, as a note
+_AXIS_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+_BUDGET_COLOUR = "#bc4b51"
 _METRIC_NAMES = frozenset(
     f"pstar/{k}"
     for k in (
@@ -48,18 +52,10 @@ _METRIC_NAMES = frozenset(
         "h2d_bytes",
         "d2h_bytes",
         "evictions",
-        "moves_off_device",
         "prefetches",
         "peak_non_model_bytes",
     )
 )
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def _new_figure() -> Figure:
@@ -79,16 +75,16 @@ def _new_figure() -> Figure:
 
 
 def plot_tide(report: MemoryReport, path: str | os.PathLike[str]) -> Path:
-    """Save the tide of one iteration in ``report`` as a PNG at ``path`` and return the path.
+    """Save the tide of one iteration in ``report`` (see :func:`tide_figure`) as a PNG at ``path``; the path."""
+    figure = tide_figure(report)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(target, format="png", dpi=100)
+    return target
 
-    Per moment of the warm-up trace: non-model memory (bottom) with the chunk bytes on the device stacked on
-    top (as measured in the last iteration the engine followed the trace), and the device budget as a
-    horizontal line when there is one. Chunk bytes are zero at moments the engine has not passed since the
-    warm-up, so a report taken after the second training iteration shows the full picture.
-    """
-    non_model = list(report.moment_non_model_bytes)
-    chunks = list(report.moment_device_chunk_bytes)
-    labels = list(report.moment_labels)
+
+def _check_moments(report: MemoryReport) -> None:
+    non_model, chunks, labels = report.moment_non_model_bytes, report.moment_device_chunk_bytes, report.moment_labels
     if not non_model:
         raise ValueError(
             "The memory report has no moments to plot: the warm-up iteration has not run yet."
@@ -102,25 +98,54 @@ def plot_tide(report: MemoryReport, path: str | os.PathLike[str]) -> Path:
             " HINT: pass a report from `PatrickStarStrategy.memory_report()` unmodified."
         )
 
+
+def _axis_unit(nbytes: float) -> tuple[str, int]:
+    """The unit the y-axis counts in: the largest one ``nbytes`` reaches (bytes below one KiB)."""
+    return next(((name, size) for name, size in _AXIS_UNITS if nbytes >= size), ("B", 1))
+
+
+def _draw_budget(ax: Axes, budget: int, *, peak: int, size: int, on_scale: bool) -> None:
+    """The device budget: a dashed line on the tide's scale, or a note when it is far above the tide."""
+    label = f"device budget ({format_bytes(budget)})"
+    if on_scale:
+        ax.axhline(budget / size, color=_BUDGET_COLOUR, linestyle="--", label=label)
+        return
+    note = f"{label}: {budget / max(peak, 1):,.0f}x the tide's peak, above this plot"
+    ax.text(0.01, 0.98, note, transform=ax.transAxes, va="top", color=_BUDGET_COLOUR)
+
+
+def tide_figure(report: MemoryReport) -> Figure:
+    """The tide of one iteration in ``report`` as a matplotlib figure (Agg backend; pyplot is not touched).
+
+    Per moment of the warm-up trace, labelled as in ``report.moment_labels``: non-model memory (bottom) with
+    the chunk bytes on the device stacked on top (as measured in the last iteration the engine followed the
+    trace). The y-axis scales to that data. The device budget is a dashed horizontal line when it is at most
+    twice the tide's peak, and a note naming it otherwise (a budget of gigabytes over a tide of megabytes
+    would flatten the tide to nothing). Chunk bytes are zero at moments the engine has not passed since the
+    warm-up, so a report taken after the second training iteration shows the full picture.
+    """
+    _check_moments(report)
+    non_model, chunks, labels = report.moment_non_model_bytes, report.moment_device_chunk_bytes, report.moment_labels
+    peak = max(a + b for a, b in zip(non_model, chunks, strict=True))
+    budget = report.device_memory_limit
+    on_scale = budget is not None and budget <= _BUDGET_ON_SCALE * max(peak, 1)
+    top = max(peak, budget if on_scale and budget is not None else 0, 1)
+    unit, size = _axis_unit(top)
+
     figure = _new_figure()
     ax = figure.add_subplot()
     x = list(range(len(non_model)))
     ax.stackplot(
         x,
-        [b / _MIB for b in non_model],
-        [b / _MIB for b in chunks],
+        [b / size for b in non_model],
+        [b / size for b in chunks],
         labels=["non-model (activations)", "chunks on device"],
         colors=["#f4a259", "#5b8e7d"],
         alpha=0.85,
         step="mid",
     )
-    if report.device_memory_limit is not None:
-        ax.axhline(
-            report.device_memory_limit / _MIB,
-            color="#bc4b51",
-            linestyle="--",
-            label=f"device budget ({_fmt_bytes(report.device_memory_limit)})",
-        )
+    if budget is not None:
+        _draw_budget(ax, budget, peak=peak, size=size, on_scale=on_scale)
     stride = max(1, -(-len(labels) // _MAX_TICK_LABELS))  # ceil division
     ticks = x[::stride]
     if ticks[-1] != x[-1] and x[-1] - ticks[-1] >= stride / 2:
@@ -128,19 +153,15 @@ def plot_tide(report: MemoryReport, path: str | os.PathLike[str]) -> Path:
     ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=60, ha="right", fontsize=8)
     ax.set_xlim(-0.5, len(x) - 0.5)
     ax.set_xlabel("moment of the iteration")
-    ax.set_ylabel("MiB")
-    top = max([a + b for a, b in zip(non_model, chunks, strict=True)] + [report.device_memory_limit or 0])
-    ax.set_ylim(0, max(1.0, top / _MIB * 1.2))  # head room for the legend above the tide and the budget
+    ax.set_ylabel(unit)
+    ax.set_ylim(0, top / size * _HEAD_ROOM)
     ax.set_title(
-        f"PatrickStar tide, placement {report.placement}: model data {_fmt_bytes(report.model_data_bytes)},"
-        f" peak non-model {_fmt_bytes(report.peak_non_model_bytes)}\noptimizer on {report.optimizer_tier}"
+        f"PatrickStar tide, placement {report.placement}: model data {format_bytes(report.model_data_bytes)},"
+        f" peak non-model {format_bytes(report.peak_non_model_bytes)}\noptimizer on {report.optimizer_tier}"
     )
     ax.legend(loc="upper right")
     ax.grid(axis="y", alpha=0.3)
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(target, format="png", dpi=100)
-    return target
+    return figure
 
 
 class PatrickStarMonitor(pl.Callback):
@@ -256,7 +277,6 @@ class PatrickStarMonitor(pl.Callback):
             "h2d_bytes": report.h2d_bytes,
             "d2h_bytes": report.d2h_bytes,
             "evictions": report.evictions,
-            "moves_off_device": report.moves_off_device,
             "prefetches": report.prefetches,
         }
 

@@ -10,17 +10,23 @@ __all__ = ["MemoryReport", "format_bytes"]
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
-def format_bytes(n: int | None, *, exact: bool = False) -> str:
-    """The one byte formatter: ``"1.50 MiB"``; ``exact`` (error messages) adds the count:
-    ``"1,572,864 bytes (1.50 MiB)"``; None reads "unlimited"."""
+def format_bytes(n: int | float | None, *, exact: bool = False) -> str:
+    """The one byte formatter: ``"512 B"``, ``"1.50 KiB"``, ``"29.5 MiB"``, ``"287 MiB"``, ``"18.8 GiB"``.
+
+    Binary units, three significant digits, the largest unit the count reaches (so a small count reads in
+    KiB or B, never as "0.0 MiB"); None reads "unlimited" (a budget that is not set). ``exact`` (error
+    messages, where the count is what a user copies) leads with the count: ``"1,572,864 bytes (1.50 MiB)"``.
+    """
     if n is None:
         return "unlimited"
-    human = f"{n} B"
+    human = f"{n:.0f} B"
     for unit, size in _UNITS:
         if abs(n) >= size:
-            human = f"{n / size:.2f} {unit}"
+            value = n / size
+            digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+            human = f"{value:.{digits}f} {unit}"
             break
-    return f"{n:,} bytes ({human})" if exact else human
+    return f"{int(n):,} bytes ({human})" if exact else human
 
 
 @dataclass(kw_only=True)
@@ -33,23 +39,22 @@ class MemoryReport:
     chunk_size: int  # elements
     chunk_utilisation: float  # parameter elements / param-chunk capacity
     model_data_bytes: int  # every chunk allocated, all tiers
-    model_data_bytes_per_param: float  # slot bytes per parameter element, padding excluded
+    model_data_bytes_per_param: float  # slot bytes per parameter element, padding excluded (see the property below)
     device_chunk_bytes: int
     host_chunk_bytes: int
     peak_device_chunk_bytes: int
     h2d_bytes: int
     d2h_bytes: int
-    evictions: int  # param chunks moved off the device because the budget needed their room
+    evictions: int
     device_memory_limit: int | None
     host_memory_limit: int | None
     optimizer_tier: str  # where the optimizer step runs, per chunk family
     placement: str = "static"
     prefetches: int = 0  # chunks fetched ahead of their moment
-    moves_off_device: int = 0  # every chunk move from the device to the host (evictions, offloaded steps, ...)
     peak_non_model_bytes: int = 0  # warm-up peak of non-model memory on the device
     moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
     moment_device_chunk_bytes: list[int] = field(default_factory=list)  # per moment, last iteration seen
-    moment_labels: list[str] = field(default_factory=list)  # "fwd:blocks.0.attn", "bwd:head", "step"
+    moment_labels: list[str] = field(default_factory=list)  # "fwd:3", "bwd:3", "step"
     rank: int = 0
     world_size: int = 1
     gathered_bytes: int = 0  # received by all-gathers of chunk groups (ZeRO data parallelism)
@@ -57,25 +62,30 @@ class MemoryReport:
     group_gathers: int = 0  # all-gathers of chunk groups started (prefetches included)
     group_prefetches: int = 0  # ... of which started ahead of use, overlapping the current group's compute
 
+    @property
+    def padded_bytes_per_param(self) -> float:
+        """Model data per parameter element with chunk padding: every byte of chunk storage this rank holds
+        (``model_data_bytes``) over the parameters. ``model_data_bytes_per_param`` counts only the slots."""
+        return self.model_data_bytes / self.num_params if self.num_params else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
         def fmt(n: int | None) -> str:
-            if n is None:
-                return "unlimited"
-            for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-                if abs(n) >= size:
-                    return f"{n / size:.2f} {unit} ({n} B)"
-            return f"{n} B"
+            return format_bytes(n) if n is None or abs(n) < 2**10 else f"{format_bytes(n)} ({n:,} B)"
 
+        per_param = (
+            f"{self.model_data_bytes_per_param:.2f} B excluding chunk padding,"
+            f" {self.padded_bytes_per_param:.2f} B with it (model data / parameters)"
+        )
         rows = [
             ("precision", self.precision),
             ("parameters", f"{self.num_params:,}"),
             ("chunks (families)", f"{self.num_chunks} x {self.chunk_size:,} elements"),
             ("chunk utilisation", f"{self.chunk_utilisation:.1%}"),
             ("model data", fmt(self.model_data_bytes)),
-            ("model data / param", f"{self.model_data_bytes_per_param:.2f} B"),
+            ("model data / param", per_param),
             ("chunks on device", fmt(self.device_chunk_bytes)),
             ("chunks on host", fmt(self.host_chunk_bytes)),
             ("peak device chunks", fmt(self.peak_device_chunk_bytes)),
@@ -83,8 +93,7 @@ class MemoryReport:
             ("host budget", fmt(self.host_memory_limit)),
             ("host -> device", fmt(self.h2d_bytes)),
             ("device -> host", fmt(self.d2h_bytes)),
-            ("evictions (budget)", str(self.evictions)),
-            ("moves off the device", str(self.moves_off_device)),
+            ("evictions", str(self.evictions)),
             ("prefetches", str(self.prefetches)),
             ("placement", self.placement),
             ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),

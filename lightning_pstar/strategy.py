@@ -52,10 +52,11 @@ from lightning_pstar.checkpoint import (
     write_sharded,
 )
 from lightning_pstar.config import PStarConfig, PStarOptions, check_option_names
+from lightning_pstar.hardware import warn_if_slow_bf16
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.optim.state_dict import check_optimizer_class
 from lightning_pstar.precision import PatrickStarPrecision
-from lightning_pstar.report import MemoryReport
+from lightning_pstar.report import MemoryReport, format_bytes
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
@@ -284,6 +285,8 @@ class PatrickStarStrategy(DDPStrategy):
         with torch.device("meta"):
             yield
 
+    _warned_slow_bf16 = False  # bf16-mixed on a CPU without bf16 units: said once per strategy (see setup)
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
@@ -291,6 +294,8 @@ class PatrickStarStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
+        if self.is_global_zero and not self._warned_slow_bf16:
+            self._warned_slow_bf16 = warn_if_slow_bf16(str(precision.precision), precision.device_type)
         module = self.lightning_module
         _refuse_unsupported_dtypes(module)
         manager = ChunkManager(
@@ -642,12 +647,14 @@ class PatrickStarStrategy(DDPStrategy):
         if self._manager is not None and self._failed and self._manager.world_size > 1:
             # another rank may be stuck in (or gone from) a collective: no gathering now
             self._final_report = self._manager.memory_report()
+            self._final_reports = None
             self._manager = None
         if self._manager is not None:
             # hand back an ordinary module (fp32 weights on CPU, as Lightning's own teardown leaves it) and
             # the user's own optimizers holding the trained state, so that `trainer.save_checkpoint` after
-            # `fit` writes a complete checkpoint; the report of the run stays readable
+            # `fit` writes a complete checkpoint; the reports of the run stay readable (every rank is here)
             self._final_report = self._manager.memory_report()
+            self._final_reports = self._manager.comm.all_gather_object(self._final_report)
             chunked = [opt for opt in self.optimizers if isinstance(opt, ChunkedOptimizer)]
             states = [opt.state_dict() for opt in chunked]
             restore_module(self._manager, torch.device("cpu"))
@@ -667,26 +674,38 @@ class PatrickStarStrategy(DDPStrategy):
         self._failed = True
         super().on_exception(exception)
 
+    _final_reports: list[MemoryReport] | None = None  # every rank's report, gathered at the last teardown
+
     def memory_report_all(self) -> list[MemoryReport]:
-        """Every rank's report, in rank order (a collective: call it on every rank)."""
+        """Every rank's report, in rank order.
+
+        While the Trainer runs (from the strategy's setup in ``fit``/``validate``/``test``/``predict`` to its
+        teardown) this is a collective: call it on every rank. After the run it returns the reports gathered
+        at teardown, as they stood at the end of the run, without communicating. After a run that ended with
+        an exception on several ranks nothing was gathered, and it raises (``memory_report()`` still works).
+        """
+        if self._manager is None and self._final_reports is not None:
+            return list(self._final_reports)
+        if self._manager is None and self._final_report is not None:
+            raise RuntimeError(
+                "The ranks' memory reports were not gathered: the run ended with an exception, and a rank may"
+                " have left its collectives. HINT: `memory_report()` returns this rank's report of that run."
+            )
         manager = self._require_manager()
         return manager.comm.all_gather_object(manager.memory_report())
 
     @staticmethod
     def format_rank_summary(reports: list[MemoryReport]) -> str:
         """One line per rank and the totals, for rank 0 to print."""
-
-        def mib(n: int | None) -> str:
-            return "unlimited" if n is None else f"{n / 2**20:.1f} MiB"
-
+        fmt = format_bytes
         lines = ["rank  model data   device chunks  host chunks  h2d        d2h        evictions"]
         for r in reports:
             lines.append(
-                f"{r.rank:>4}  {mib(r.model_data_bytes):>11}  {mib(r.device_chunk_bytes):>13}"
-                f"  {mib(r.host_chunk_bytes):>11}  {mib(r.h2d_bytes):>9}  {mib(r.d2h_bytes):>9}  {r.evictions:>9}"
+                f"{r.rank:>4}  {fmt(r.model_data_bytes):>11}  {fmt(r.device_chunk_bytes):>13}"
+                f"  {fmt(r.host_chunk_bytes):>11}  {fmt(r.h2d_bytes):>9}  {fmt(r.d2h_bytes):>9}  {r.evictions:>9}"
             )
         total = sum(r.model_data_bytes for r in reports)
-        lines.append(f"total model data over {len(reports)} ranks: {mib(total)}")
+        lines.append(f"total model data over {len(reports)} ranks: {fmt(total)}")
         return "\n".join(lines)
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import pytest
@@ -16,6 +17,13 @@ _QUIET_WARNINGS = (
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when torch.cuda is not available")
+    if "OMP_NUM_THREADS" not in os.environ:
+        # one intra-op thread unless the caller names a count: on a machine running other jobs, threads that
+        # wait for each other lose their turns (tests/integration/test_mixed_precision.py took 98 s with two
+        # threads and 7 s with one at a load average of 5 on 2 cores). The subprocesses the tests start
+        # inherit it, and Lightning's launcher leaves the count alone when the variable is set.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     for line in _QUIET_WARNINGS:
         config.addinivalue_line("filterwarnings", line)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric"):
@@ -35,9 +43,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def seed_everything() -> None:
     """Seed Python's and torch's global RNGs before each test, so no test depends on the order.
 
-    Thread counts stay at their defaults: the CPU kernels used here are deterministic for a fixed
-    thread count, which is what the bitwise comparisons inside one test rely on. Tests that build
-    models seed again right before construction (``tests.helpers.models.build_model``).
+    The thread count is fixed for the session (one, see ``pytest_configure``): the CPU kernels used here are
+    deterministic for a fixed thread count, which is what the bitwise comparisons inside one test rely on.
+    Tests that build models seed again right before construction (``tests.helpers.models.build_model``).
     """
     random.seed(0)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Start ranks for the distributed tests, never hang, and re-raise every rank's failure in the test.
 
-A multi-process test is only worth something if a crashed or stuck rank fails it (STYLE.md, habit 9). Every
+A multi-process test is only worth something if a crashed or stuck rank fails it. Every
 distributed test starts its processes through this module:
 
 - :func:`run_ranks` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh ``spawn`` processes with the
@@ -15,7 +15,16 @@ In all three, a rank that raises, exits with a non-zero code or dies from a sign
 :class:`WorkerFailure` whose message holds every rank's outcome and traceback (or output tail). After the first
 failure the other ranks get ``grace`` seconds to end by themselves (so a test can tell a rank that noticed the
 failure from one that hung), then they are killed. A run that outlasts ``timeout`` is killed and raises
-:class:`WorkerTimeout` with each rank's Python stack at the moment (from ``faulthandler``). Each process starts
+:class:`WorkerTimeout` with each rank's Python stack at the moment (from ``faulthandler``).
+
+[Note: the timeout starts when the rank is ready] A ``spawn`` worker first starts an interpreter and imports the
+test module and its arguments' modules (torch, Lightning): seconds on an idle machine, far more on a loaded one.
+So in :func:`run_ranks` and :func:`run_isolated` a rank's ``timeout`` counts from the moment it starts running
+``fn`` (it writes that moment to a file, the readiness signal), not from the launch; a rank that is not ready
+``STARTUP_TIMEOUT_S`` after the launch counts as hung in its imports. At the timeout the launcher waits for the
+rank's stack dump to be written (faulthandler writes it shortly before the timeout) before it kills the rank, so
+the stack always shows where the rank was. Commands (:func:`run_commands`) time out from their launch. Each
+process starts
 its own session, so killing it also kills the processes it started (Lightning's spawned ranks). Workers use one
 intra-op thread (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``): two ranks share two cores.
 """
@@ -52,6 +61,9 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 300.0  # only reached when something hangs; generous for a busy machine
 DEFAULT_GRACE_S = 15.0
+STARTUP_TIMEOUT_S = 300.0  # from the launch until a spawned rank runs fn (see the note above): imports only
+_STACK_WAIT_S = 60.0  # at most this long past the timeout for a ready rank's stack dump before the kill
+_DUMP_LEAD_S = 2.0  # faulthandler dumps the stacks this long before the timeout
 _POLL_S = 0.05
 _TAIL_CHARS = 6000
 
@@ -135,6 +147,9 @@ def _bootstrap(
     with open(files["stack"], "w") as stack_file:
         # if the launcher is about to kill this process for the timeout, the test shows where it was stuck
         faulthandler.dump_traceback_later(dump_after_s, exit=False, file=stack_file)
+        ready = Path(files["ready"])
+        ready.with_suffix(".tmp").write_text(repr(time.monotonic()))
+        ready.with_suffix(".tmp").replace(ready)  # the readiness signal: the timeout counts from here
         try:
             result = fn(*call_args)
         except BaseException:
@@ -160,6 +175,14 @@ class _Proc(Protocol):
 
     def sentinel(self) -> Any: ...
 
+    def ready_at(self) -> float | None:
+        """``time.monotonic()`` from which the timeout counts; None while the process is not ready."""
+        ...
+
+    def stack_written(self) -> bool:
+        """Whether the stack dump to show for a timeout is there (or none is expected)."""
+        ...
+
 
 @dataclass
 class _SpawnProc:
@@ -178,12 +201,23 @@ class _SpawnProc:
     def sentinel(self) -> Any:
         return self.process.sentinel
 
+    def ready_at(self) -> float | None:
+        try:
+            return float(Path(self.files["ready"]).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def stack_written(self) -> bool:
+        path = Path(self.files["stack"])
+        return self.ready_at() is None or (path.exists() and path.stat().st_size > 0)
+
 
 @dataclass
 class _PopenProc:
     rank: int
     process: subprocess.Popen[bytes]
     log: str
+    launched_at: float
 
     @property
     def pid(self) -> int:
@@ -195,10 +229,27 @@ class _PopenProc:
     def sentinel(self) -> Any:
         return None
 
+    def ready_at(self) -> float | None:
+        return self.launched_at  # a command's timeout counts from its launch
+
+    def stack_written(self) -> bool:
+        return True  # PYTHONFAULTHANDLER dumps on fatal signals only: no stack is waited for
+
 
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def _timeout_at(running: Sequence[_Proc], *, start: float, timeout: float) -> float:
+    """When the run times out: ``timeout`` after the last running process became ready, or
+    ``STARTUP_TIMEOUT_S`` after the launch while one is not ready yet (see the note on readiness)."""
+    ready = [p.ready_at() for p in running]
+    if not ready:
+        return start + timeout
+    if any(r is None for r in ready):
+        return start + STARTUP_TIMEOUT_S
+    return max(r for r in ready if r is not None) + timeout
 
 
 def _supervise(procs: Sequence[_Proc], *, timeout: float, grace: float, start: float) -> tuple[list[RankOutcome], bool]:
@@ -208,7 +259,6 @@ def _supervise(procs: Sequence[_Proc], *, timeout: float, grace: float, start: f
     """
     ended: dict[int, tuple[int | None, float]] = {}  # rank -> (exit code or None if killed, time.monotonic())
     first_failure: float | None = None
-    deadline = start + timeout
     timed_out = False
     clean_exit = False
     try:
@@ -222,17 +272,20 @@ def _supervise(procs: Sequence[_Proc], *, timeout: float, grace: float, start: f
                         first_failure = now
             if len(ended) == len(procs):
                 break
+            running = [p for p in procs if p.rank not in ended]
+            deadline = _timeout_at(running, start=start, timeout=timeout)
             stop_at = deadline if first_failure is None else min(deadline, first_failure + grace)
-            if now >= stop_at:
+            # at the timeout, the stack dumps are the signal to wait for (bounded: a dump may never come)
+            dumps_due = now >= deadline and now < deadline + _STACK_WAIT_S
+            if now >= stop_at and not (dumps_due and not all(p.stack_written() for p in running)):
                 timed_out = now >= deadline
-                for proc in procs:
-                    if proc.rank not in ended:
-                        _kill_group(proc.pid)
-                        ended[proc.rank] = (None, now)
+                for proc in running:
+                    _kill_group(proc.pid)
+                    ended[proc.rank] = (None, now)
                 break
-            sentinels = [s for p in procs if p.rank not in ended and (s := p.sentinel()) is not None]
-            if len(sentinels) == len(procs) - len(ended):
-                wait(sentinels, timeout=min(0.5, max(0.0, stop_at - now)))
+            sentinels = [s for p in running if (s := p.sentinel()) is not None]
+            if len(sentinels) == len(running):
+                wait(sentinels, timeout=min(0.5, max(_POLL_S, stop_at - now)))
             else:
                 time.sleep(_POLL_S)
         clean_exit = all(code == 0 for code, _ in ended.values())
@@ -277,8 +330,9 @@ def _spawn(
         start = time.monotonic()
         try:
             for rank, (call_args, env) in enumerate(per_rank):
-                files = {kind: os.path.join(tmp, f"rank{rank}.{kind}") for kind in ("error", "result", "stack")}
-                dump_after = max(1.0, timeout - 2.0)
+                kinds = ("error", "result", "stack", "ready")
+                files = {kind: os.path.join(tmp, f"rank{rank}.{kind}") for kind in kinds}
+                dump_after = max(1.0, timeout - _DUMP_LEAD_S)
                 process = ctx.Process(
                     target=_bootstrap,
                     args=(fn, call_args, env, files, dump_after),
@@ -299,6 +353,8 @@ def _spawn(
                 outcome.error = error.read_text()
             if outcome.killed and stack.exists():
                 outcome.stack = stack.read_text()[-_TAIL_CHARS:]
+            if outcome.killed and proc.ready_at() is None:
+                outcome.stack = "(killed before it started running fn: still starting up or importing)"
             if outcome.exitcode == 0 and result.exists():
                 outcome.result = pickle.loads(result.read_bytes())
     _raise_if_failed(outcomes, timed_out=timed_out, timeout=timeout, what=what)
@@ -378,7 +434,7 @@ def run_commands(
                 process = subprocess.Popen(
                     list(cmd), env=full_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
-                procs.append(_PopenProc(rank=rank, process=process, log=log_path))
+                procs.append(_PopenProc(rank=rank, process=process, log=log_path, launched_at=start))
             outcomes, timed_out = _supervise(procs, timeout=timeout, grace=grace, start=start)
         finally:
             for proc in procs:

@@ -42,6 +42,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pstar import LossScaleConfig, PatrickStarPrecision, PatrickStarStrategy
 from lightning_pstar.checkpoint import CheckpointError, consolidate, full_state_dict
 
+pytestmark = pytest.mark.slow  # every test here trains on spawned ranks: tens of seconds each
+
 VOCAB = 16
 WIDTH = 16
 SEQ = 8

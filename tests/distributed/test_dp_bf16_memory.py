@@ -21,6 +21,8 @@ import torch
 from launch import run_isolated
 from workloads import RunSpec, build_model, fit_in_driver, num_params, read_records
 
+pytestmark = pytest.mark.slow  # every test here trains on spawned ranks: tens of seconds each
+
 STEPS = 12
 CHUNK = 4096  # elements; the tiny GPT's largest parameter has 4096, so every chunk has this capacity
 LOSS_RTOL = 1e-3

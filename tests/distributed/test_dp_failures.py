@@ -13,6 +13,8 @@ import pytest
 from launch import WorkerFailure, run_isolated, run_ranks
 from workloads import N_EMBD, RunSpec, fit_in_driver, fit_in_rank, num_params
 
+pytestmark = pytest.mark.slow  # every test here trains on spawned ranks: tens of seconds each
+
 FAIL_STEP = 3
 WITHIN_S = 60.0
 """Every process must have ended this long after the failure."""

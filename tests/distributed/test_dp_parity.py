@@ -20,6 +20,8 @@ import torch
 from launch import run_isolated, run_ranks
 from workloads import RunSpec, fit_in_driver, fit_in_rank, read_records
 
+pytestmark = pytest.mark.slow  # every test here trains on spawned ranks: tens of seconds each
+
 STEPS = 20
 ACCUM = 2
 CLIP = {"adamw": 0.5, "sgd": 0.5}

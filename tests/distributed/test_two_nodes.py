@@ -13,8 +13,11 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from launch import free_port, run_commands, run_ranks
 from workloads import RunSpec, fit_in_rank, read_records, spec_as_json
+
+pytestmark = pytest.mark.slow  # every test here trains on spawned ranks: tens of seconds each
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -67,6 +67,7 @@ def _check_types(record: dict[str, Any], expected: dict[str, Any], where: str) -
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_compare_and_gpu_check_write_complete_json(tmp_path: Path) -> None:
     compare_json, gpu_json, plot = tmp_path / "compare.json", tmp_path / "gpu_check.json", tmp_path / "compare.png"
     compare = _start(

@@ -193,7 +193,7 @@ def make_trainer(
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
-        "use_distributed_sampler": False,  # the same data order as strategy="auto" (see DESIGN.md)
+        "use_distributed_sampler": False,  # the same data order as strategy="auto"
         "gradient_clip_val": CLIP,
     }
     options.update(kwargs)
@@ -628,6 +628,7 @@ def test_sharded_checkpoint_with_a_missing_data_file(saved_checkpoints: dict[str
 # ---- 8. the consolidate command ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_consolidate_command(full_runs: Any, tmp_path: Path) -> None:
     """``python -m lightning_pstar.consolidate`` on the epoch-0 sharded checkpoint of a run gives the epoch-0
     consolidated checkpoint of the same run in consolidated mode (same arithmetic, so the same state)."""

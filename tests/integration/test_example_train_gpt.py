@@ -34,6 +34,7 @@ def _explain(proc: subprocess.CompletedProcess[str]) -> str:
     )
 
 
+@pytest.mark.slow
 def test_tiny_run_with_patrickstar_prints_report_and_saves_a_plain_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run_example(run_dir)
@@ -55,11 +56,31 @@ def test_tiny_run_with_patrickstar_prints_report_and_saves_a_plain_checkpoint(tm
     torch.testing.assert_close(module.model.wte.weight, state_dict["model.wte.weight"].float())
 
 
+@pytest.mark.slow
+def test_tiny_run_with_sharded_checkpoints_samples_from_the_consolidated_file(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_example(run_dir, "strategy.checkpoint=sharded")
+    assert proc.returncode == 0, _explain(proc)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    consolidated = run_dir / "consolidated" / "last.ckpt"
+    assert last.is_dir() and consolidated.is_file(), _explain(proc)
+    assert f"last checkpoint (sharded: a directory): {last}" in proc.stdout
+    assert f"last checkpoint, consolidated into one file: {consolidated}" in proc.stdout
+    assert "sample from the last checkpoint, loaded without any strategy:" in proc.stdout
+    module = GPTLightningModule.load_from_checkpoint(consolidated, map_location="cpu")
+    assert module.model is not None and module.model.lm_head.weight is module.model.wte.weight
+
+
+@pytest.mark.slow
 def test_tiny_run_with_plain_lightning(tmp_path: Path) -> None:
     proc = run_example(tmp_path / "run", "strategy=auto")
     assert proc.returncode == 0, _explain(proc)
     assert "memory report" not in proc.stdout.lower()
     assert list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    # trainer.precision=auto is resolved by the script, in one line that says why
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("precision: ")]
+    assert line.startswith(("precision: bf16-mixed (auto: ", "precision: 32-true (auto: ")), line
+    assert "final val_loss: " in proc.stdout and "(perplexity " in proc.stdout
 
 
 @pytest.mark.parametrize("override", ["+strategy.chunk_sise=5"])
@@ -75,6 +96,7 @@ def test_misspelled_strategy_option_fails_naming_it(tmp_path: Path, override: st
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_runs_both_strategies_and_writes_json(tmp_path: Path) -> None:
     # benchmarks/overhead.py shares the demos with the example; the smallest sizes keep this a smoke test.
     out = tmp_path / "overhead.json"

@@ -37,6 +37,7 @@ def _largest_module_param_bytes(itemsize: int) -> int:
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.slow
 def test_eviction_does_not_change_losses(precision: str) -> None:
     common = {"precision": precision, "max_steps": STEPS, "accumulate_grad_batches": ACCUM, "gradient_clip_val": CLIP}
     free_strategy = PatrickStarStrategy(chunk_size=CHUNK, placement="static")

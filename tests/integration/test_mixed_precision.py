@@ -65,6 +65,7 @@ def _compare(losses: list[float], ref: ReferenceRun, masters: dict[str, torch.Te
 
 @pytest.mark.parametrize("optim", [ADAMW, SGD], ids=["adamw", "sgd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.slow
 def test_mixed_precision_matches_reference(dtype: torch.dtype, optim: OptimSpec) -> None:
     spec = OptimSpec(**{**vars(optim), "cosine_t_max": STEPS}) if dtype == torch.bfloat16 else optim
     ref = reference_mixed_precision(
@@ -88,6 +89,7 @@ def test_mixed_precision_matches_reference(dtype: torch.dtype, optim: OptimSpec)
     assert torch.equal(got, frozen) or torch.equal(got, frozen.to(dtype).float()), "frozen parameter changed"
 
 
+@pytest.mark.slow
 def test_fp16_overflow_skips_steps_and_backs_off() -> None:
     """A huge initial scale overflows the first steps: they are skipped (params untouched) and S halves."""
     initial_scale = 2.0**24

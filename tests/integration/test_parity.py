@@ -76,12 +76,14 @@ def _assert_parity(ref: FitResult, pstar: FitResult) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_parity_32_true(case: str) -> None:
     ref, pstar = _fit_pair(CASES[case], PatrickStarStrategy())
     print(f"{case}: max relative loss difference {max_rel_diff(pstar.recorder.losses, ref.recorder.losses):.3e}")
     _assert_parity(ref, pstar)
 
 
+@pytest.mark.slow
 def test_parity_small_chunks() -> None:
     """256-element chunks: many chunks, and the 4096- and 3072-element weights each get one of their own."""
     strategy = PatrickStarStrategy(chunk_size=256)

@@ -184,6 +184,7 @@ def assert_losses_close(got: list[float], ref: list[float], rtol: float, what: s
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
+@pytest.mark.slow
 def test_hf_model_32_true_parity(kind: str) -> None:
     ref_module = HFLM(kind)
     ref = fit(ref_module, "auto")
@@ -208,6 +209,7 @@ def test_hf_model_32_true_parity(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
+@pytest.mark.slow
 def test_hf_model_bf16_mixed(kind: str) -> None:
     ref = fit(HFLM(kind), "auto", precision="bf16-mixed")
     got = fit(HFLM(kind), PatrickStarStrategy(), precision="bf16-mixed")
@@ -268,6 +270,7 @@ def test_gpt2_gradient_checkpointing(use_reentrant: bool) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_example_train_hf(tmp_path: Path) -> None:
     """``python examples/train_hf.py`` (a Hydra app) trains a GPT-2 from a config with PatrickStar and writes an
     ordinary checkpoint with the Hugging Face model's own parameter names."""

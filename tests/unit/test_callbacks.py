@@ -217,3 +217,50 @@ def test_missing_matplotlib_raises_an_import_error_with_a_hint(tmp_path: Path, m
     with pytest.raises(ImportError, match="pip install matplotlib"):
         PatrickStarMonitor(save_tide_png=tmp_path / "tide.png")
     assert PatrickStarMonitor(save_tide_png=None).save_tide_png is None  # no plot asked, no matplotlib needed
+
+
+def _texts(figure: Any) -> list[str]:
+    ax = figure.axes[0]
+    return [t.get_text() for t in ax.texts] + [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_tide_scales_to_the_data_and_draws_a_far_budget_as_a_note() -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_pstar.callbacks import tide_figure
+
+    # the callback docstring's own budget over a tide of a few KiB: the tide must fill the plot
+    report = make_report(device_memory_limit=8 * 2**30)
+    ax = tide_figure(report).axes[0]
+    peak = max(a + b for a, b in zip(report.moment_non_model_bytes, report.moment_device_chunk_bytes, strict=True))
+    assert ax.get_ylabel() == "KiB"
+    bottom, top = ax.get_ylim()
+    assert bottom == 0 and peak / 2**10 < top <= 1.5 * peak / 2**10
+    assert not ax.lines, "a budget far above the tide is no line on its scale"
+    (note,) = [t for t in _texts(ax.figure) if "device budget" in t]
+    assert "8.00 GiB" in note and "above this plot" in note
+
+
+def test_tide_draws_a_near_budget_as_a_horizontal_line() -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_pstar.callbacks import tide_figure
+
+    ax = tide_figure(make_report(device_memory_limit=8 * 1024)).axes[0]
+    (line,) = ax.lines
+    assert set(line.get_ydata()) == {8.0}  # KiB, on the tide's own axis
+    assert ax.get_ylim()[1] > 8.0
+    assert any("device budget (8.00 KiB)" in t for t in _texts(ax.figure))
+
+
+def test_tide_labels_moments_with_the_given_module_names() -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_pstar.callbacks import tide_figure
+
+    modules = ["embed", "hidden", "head"]
+    labels = [f"fwd:{m}" for m in modules] + [f"bwd:{m}" for m in reversed(modules)] + ["step"]
+    report = make_report(
+        moment_non_model_bytes=[100, 200, 300, 300, 200, 100, 0],
+        moment_device_chunk_bytes=[2048] * 7,
+        moment_labels=labels,
+    )
+    ax = tide_figure(report).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == labels

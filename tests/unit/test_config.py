@@ -264,7 +264,7 @@ def test_loss_scale_from_dict_in_mixed_precision_config() -> None:
 
 
 def test_loss_scale_dict_with_unknown_key_is_a_value_error_naming_the_key() -> None:
-    # configuration mistakes are ValueErrors naming the field (STYLE.md); a misspelled nested key must not
+    # configuration mistakes are ValueErrors naming the field; a misspelled nested key must not
     # surface as a bare TypeError from the dataclass constructor
     with pytest.raises(ValueError, match=r"`loss_scale.growth_intervall` \(did you mean `loss_scale.growth_interval`"):
         PStarConfig.from_flat(loss_scale={"growth_intervall": 10})

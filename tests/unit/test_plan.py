@@ -382,17 +382,17 @@ def test_planning_a_10b_gpt_allocates_no_weights(tmp_path: Path) -> None:
     config = GPTConfig(vocab_size=50304, block_size=2048, n_layer=50, n_head=32, n_embd=4096)
     sizes = {k: getattr(config, k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a loaded machine stretches wall time, not the work done
     plan = plan_capacity(
         str(_gpt_yaml(tmp_path)), device_memory="80GiB", host_memory="512GiB", overrides=sizes, search_largest=False
     )
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert plan.num_params == gpt_num_params(config) > 10**10
     assert plan.model_data_bytes > 14 * 10**10 and plan.fits
     assert plan.param_chunk_bytes > 2 * 10**10  # bf16 weights alone would be 20 GB ...
     assert peak_after - peak_before < 2**30  # ... and the process peak grew by less than 1 GiB
-    assert elapsed < 10, f"planning took {elapsed:.1f} s"
+    assert elapsed < 10, f"planning took {elapsed:.1f} s of CPU time"
 
 
 def test_cli_prints_the_plan(cli_run: subprocess.Popen[str]) -> None:
