@@ -13,7 +13,6 @@ from lightning_pstar.config import LossScaleConfig, Placement, PStarConfig
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
-from lightning_pstar.runtime.manager import MemoryBudgetError
 from lightning_pstar.strategy import PatrickStarStrategy
 
 __all__ = [

@@ -52,6 +52,7 @@ _METRIC_NAMES = frozenset(
         "h2d_bytes",
         "d2h_bytes",
         "evictions",
+        "moves_off_device",
         "prefetches",
         "peak_non_model_bytes",
     )
@@ -277,6 +278,7 @@ class PatrickStarMonitor(pl.Callback):
             "h2d_bytes": report.h2d_bytes,
             "d2h_bytes": report.d2h_bytes,
             "evictions": report.evictions,
+            "moves_off_device": report.moves_off_device,
             "prefetches": report.prefetches,
         }
 

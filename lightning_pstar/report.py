@@ -45,16 +45,17 @@ class MemoryReport:
     peak_device_chunk_bytes: int
     h2d_bytes: int
     d2h_bytes: int
-    evictions: int
+    evictions: int  # param chunks moved off the device because the budget needed their room
     device_memory_limit: int | None
     host_memory_limit: int | None
     optimizer_tier: str  # where the optimizer step runs, per chunk family
     placement: str = "static"
     prefetches: int = 0  # chunks fetched ahead of their moment
+    moves_off_device: int = 0  # every chunk move from the device to the host (evictions, offloaded steps, ...)
     peak_non_model_bytes: int = 0  # warm-up peak of non-model memory on the device
     moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
     moment_device_chunk_bytes: list[int] = field(default_factory=list)  # per moment, last iteration seen
-    moment_labels: list[str] = field(default_factory=list)  # "fwd:3", "bwd:3", "step"
+    moment_labels: list[str] = field(default_factory=list)  # "fwd:blocks.0.attn", "bwd:head", "step"
     rank: int = 0
     world_size: int = 1
     gathered_bytes: int = 0  # received by all-gathers of chunk groups (ZeRO data parallelism)
@@ -93,7 +94,8 @@ class MemoryReport:
             ("host budget", fmt(self.host_memory_limit)),
             ("host -> device", fmt(self.h2d_bytes)),
             ("device -> host", fmt(self.d2h_bytes)),
-            ("evictions", str(self.evictions)),
+            ("evictions (budget)", str(self.evictions)),
+            ("moves off the device", str(self.moves_off_device)),
             ("prefetches", str(self.prefetches)),
             ("placement", self.placement),
             ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),
