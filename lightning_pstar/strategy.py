@@ -10,7 +10,7 @@ engine: parameters live in chunks (:mod:`lightning_pstar.runtime.manager`), hook
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +27,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_pstar.checkpoint import (
@@ -61,6 +60,12 @@ from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import MicroBatch
+from lightning_pstar.setup_checks import (
+    explain_optimizer_setup_error,
+    parameter_free_metrics,
+    refuse_shared_parameters,
+    refuse_unsupported_dtypes,
+)
 
 __all__ = ["PatrickStarStrategy", "SafeCheckpointIO"]
 
@@ -107,68 +112,6 @@ class SafeCheckpointIO(TorchCheckpointIO):
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
         remove_checkpoint_path(path)
-
-
-def _refuse_shared_parameters(optimizers: Sequence[Optimizer], module: nn.Module | None) -> None:
-    """Each optimizer steps and zeroes only its own parameters, so one parameter in two optimizers would be
-    stepped twice: refused with its name (torch itself only refuses duplicates within one optimizer)."""
-    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-    first: dict[int, int] = {}
-    for index, optimizer in enumerate(optimizers):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                other = first.setdefault(id(p), index)
-                if other != index:
-                    raise ValueError(
-                        f"Parameter '{names.get(id(p), tuple(p.shape))}' is in optimizer {other} and optimizer"
-                        f" {index} returned by `configure_optimizers`. HINT: give each parameter to exactly one"
-                        " optimizer."
-                    )
-
-
-def _parameter_free_metrics(module: nn.Module) -> list[nn.Module]:
-    """The outermost submodules with states of their own that ``.to`` moves but no parameters anywhere
-    below them (torchmetrics ``Metric``): moving them moves no chunk."""
-    found: list[nn.Module] = []
-    seen: set[int] = set()
-    for mod in module.modules():
-        if id(mod) in seen or mod is module or not hasattr(mod, "_defaults"):  # torchmetrics' state table
-            continue
-        if next(mod.parameters(), None) is None:
-            found.append(mod)
-            seen.update(id(m) for m in mod.modules())
-    return found
-
-
-_CHUNK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _refuse_unsupported_dtypes(module: nn.Module) -> None:
-    """Chunks hold fp32 masters and fp32/fp16/bf16 compute copies: any other parameter dtype (float64, an integer
-    or complex parameter) would be cast silently, so it is refused before anything changes."""
-    for name, p in module.named_parameters():
-        if p.dtype not in _CHUNK_DTYPES:
-            raise ValueError(
-                f"Parameter '{name}' has dtype {p.dtype}; PatrickStar keeps parameters in float32, float16 or"
-                f" bfloat16 chunks and would silently cast it. HINT: build it as float32 (`.float()`) or keep it"
-                " out of the parameters (a buffer: `register_buffer`)."
-            )
-
-
-def _explain_optimizer_setup_error(err: Exception, world_size: int) -> Exception | None:
-    """A clearer error for optimizers PatrickStar cannot take, raised while ``configure_optimizers`` runs."""
-    frames = []
-    tb = err.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    if any(f.endswith("zero_redundancy_optimizer.py") for f in frames):
-        return ValueError(
-            f"`configure_optimizers` built a ZeroRedundancyOptimizer, which failed at world size {world_size}"
-            f" ({type(err).__name__}: {err}). PatrickStar already shards the optimizer state over the ranks."
-            " HINT: return the plain optimizer (torch.optim.AdamW(self.parameters(), ...))."
-        )
-    return None
 
 
 class PatrickStarStrategy(DDPStrategy):
@@ -297,7 +240,7 @@ class PatrickStarStrategy(DDPStrategy):
         if self.is_global_zero and not self._warned_slow_bf16:
             self._warned_slow_bf16 = warn_if_slow_bf16(str(precision.precision), precision.device_type)
         module = self.lightning_module
-        _refuse_unsupported_dtypes(module)
+        refuse_unsupported_dtypes(module)
         manager = ChunkManager(
             module,
             config=self.config,
@@ -345,7 +288,7 @@ class PatrickStarStrategy(DDPStrategy):
             for name, buf in mod._buffers.items():
                 if buf is not None and buf.device != device:
                     mod._buffers[name] = buf.to(device)
-        for mod in _parameter_free_metrics(module):
+        for mod in parameter_free_metrics(module):
             mod.to(device)
         _update_properties(module, device=device)
 
@@ -360,7 +303,7 @@ class PatrickStarStrategy(DDPStrategy):
         try:
             super().setup_optimizers(trainer)
         except (RuntimeError, ValueError) as err:
-            clearer = _explain_optimizer_setup_error(err, self.world_size)
+            clearer = explain_optimizer_setup_error(err, self.world_size)
             if clearer is None:
                 raise
             raise clearer from err
@@ -371,7 +314,7 @@ class PatrickStarStrategy(DDPStrategy):
                 " lr=1e-3)` (torch.optim.Adam, AdamW or SGD)."
             )
         manager = self._require_manager()
-        _refuse_shared_parameters(self.optimizers, self.lightning_module)
+        refuse_shared_parameters(self.optimizers, self.lightning_module)
         self.optimizers = [ChunkedOptimizer(opt, manager) for opt in self.optimizers]
 
     @override

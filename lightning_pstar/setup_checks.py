@@ -1,0 +1,83 @@
+"""Checks the strategy runs on the user's module and optimizers before anything changes (no Lightning here).
+
+Each refuses a pattern the engine cannot support with an error naming it and what to do, or finds what the
+strategy must treat specially (torchmetrics states that follow the root device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = [
+    "explain_optimizer_setup_error",
+    "parameter_free_metrics",
+    "refuse_shared_parameters",
+    "refuse_unsupported_dtypes",
+]
+
+
+def refuse_shared_parameters(optimizers: Sequence[Optimizer], module: nn.Module | None) -> None:
+    """Each optimizer steps and zeroes only its own parameters, so one parameter in two optimizers would be
+    stepped twice: refused with its name (torch itself only refuses duplicates within one optimizer)."""
+    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+    first: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                other = first.setdefault(id(p), index)
+                if other != index:
+                    raise ValueError(
+                        f"Parameter '{names.get(id(p), tuple(p.shape))}' is in optimizer {other} and optimizer"
+                        f" {index} returned by `configure_optimizers`. HINT: give each parameter to exactly one"
+                        " optimizer."
+                    )
+
+
+def parameter_free_metrics(module: nn.Module) -> list[nn.Module]:
+    """The outermost submodules with states of their own that ``.to`` moves but no parameters anywhere
+    below them (torchmetrics ``Metric``): moving them moves no chunk."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    for mod in module.modules():
+        if id(mod) in seen or mod is module or not hasattr(mod, "_defaults"):  # torchmetrics' state table
+            continue
+        if next(mod.parameters(), None) is None:
+            found.append(mod)
+            seen.update(id(m) for m in mod.modules())
+    return found
+
+
+_CHUNK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def refuse_unsupported_dtypes(module: nn.Module) -> None:
+    """Chunks hold fp32 masters and fp32/fp16/bf16 compute copies: another floating dtype (float64) would be cast
+    silently, so it is refused before anything changes (integer and complex parameters are refused by the
+    planner, with a hint to make them buffers)."""
+    for name, p in module.named_parameters():
+        if p.is_floating_point() and p.dtype not in _CHUNK_DTYPES:
+            raise ValueError(
+                f"Parameter '{name}' has dtype {p.dtype}; PatrickStar keeps parameters in float32, float16 or"
+                f" bfloat16 chunks and would silently cast it. HINT: build it as float32 (`.float()`) or keep it"
+                " out of the parameters (a buffer: `register_buffer`)."
+            )
+
+
+def explain_optimizer_setup_error(err: Exception, world_size: int) -> Exception | None:
+    """A clearer error for optimizers PatrickStar cannot take, raised while ``configure_optimizers`` runs."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    if any(f.endswith("zero_redundancy_optimizer.py") for f in frames):
+        return ValueError(
+            f"`configure_optimizers` built a ZeroRedundancyOptimizer, which failed at world size {world_size}"
+            f" ({type(err).__name__}: {err}). PatrickStar already shards the optimizer state over the ranks."
+            " HINT: return the plain optimizer (torch.optim.AdamW(self.parameters(), ...))."
+        )
+    return None
