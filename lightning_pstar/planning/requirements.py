@@ -131,7 +131,7 @@ def module_parameters(module: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
                     if isinstance(child, nn.Module):
                         params += [p for p in child.parameters() if all(p is not q for q in params)]
         if params:
-            out[mod] = cast(list[nn.Parameter], params)
+            out[mod] = params
     return out
 
 

@@ -15,7 +15,7 @@ A parameter therefore never refers to freed memory: reading a weight whose chunk
 HOST copy instead of crashing the process. Before a module runs again its chunk is fetched, and the
 parameter points at the (refilled) device storage again, before autograd can save anything new. (In mixed
 precision, while a param slot holds its gradient -- after backward, until the step -- the parameter points
-at its fp32 master instead: ``ChunkManager.point_at_chunk``.)
+at its fp32 master instead: ``Residency.point_at_chunk``.)
 
 Both buffers are created with an EMPTY storage (:func:`_unbacked`): a chunk that starts on HOST never
 allocates a byte on the device, not even for an instant (``torch.empty(capacity, device=cuda)`` followed by

@@ -43,6 +43,7 @@ from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
 from lightning_pstar.runtime.placement import PlacementPolicy, make_policy
+from lightning_pstar.runtime.reporting import build_report, module_names
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding, make_sharding
 from lightning_pstar.runtime.state import GradLocation, MicroBatch, Phase, TensorState, Tier
@@ -296,18 +297,6 @@ class ChunkManager:
         return self.residency.stats
 
     @property
-    def policy(self) -> PlacementPolicy:
-        return self.residency.policy
-
-    @property
-    def device_budget(self) -> int | None:
-        return self.residency.device_budget
-
-    @property
-    def host_budget(self) -> int:
-        return self.residency.host_budget
-
-    @property
     def optimizer_tier(self) -> Tier:
         return self.residency.optimizer_tier
 
@@ -319,12 +308,6 @@ class ChunkManager:
 
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
         self.residency.move_param_chunk(family, tier, asynchronous=asynchronous)
-
-    def ensure_device_room(self, nbytes: int, *, protect: set[int]) -> None:
-        self.residency.ensure_device_room(nbytes, protect=protect)
-
-    def point_at_chunk(self, record: ParamRecord) -> None:
-        self.residency.point_at_chunk(record)
 
     def _device_chunk_bytes(self) -> int:
         return self.residency.stats.per_tier_bytes[Tier.DEVICE]
@@ -521,52 +504,17 @@ class ChunkManager:
             end_warmup(self.tracer, self.residency, self.sharding)
 
     # ---- reporting ------------------------------------------------------------------------------------
-    def _moment_label(self, kind: MomentKind, key: int) -> str:
-        """``"fwd:blocks.0.attn"``, ``"bwd:head"``, ``"step"``: the moment and the module it belongs to."""
-        if kind is MomentKind.STEP:
-            return "step"
-        if not self._module_names:
-            names = {mod: name for name, mod in self.module.named_modules()}
-            self._module_names = [names.get(mod) or "<root>" for mod in self.table.module_records]
-        name = self._module_names[key] if key < len(self._module_names) else str(key)
-        return f"{'fwd' if kind is MomentKind.FORWARD else 'bwd'}:{name}"
-
     def memory_report(self) -> MemoryReport:
-        trace = self.tracer.trace
-        stats = self.residency.stats
-        allocated = sum(c.nbytes for c in self.iter_chunks() if c.tier is not None)
-        payload_bytes = 0
-        for family in self.families:
-            per_elem = sum(c.dtype.itemsize for c in family.chunks.values() if c.tier is not None)
-            payload_bytes += per_elem * sum(s.numel for s in family.slots)
-        return MemoryReport(
+        if not self._module_names:
+            self._module_names = module_names(self.module, self.table)
+        return build_report(
+            table=self.table,
+            layout=self.layout,
+            residency=self.residency,
+            tracer=self.tracer,
+            comm=self.comm,
+            sharding=self.sharding,
             precision=self.precision,
-            num_params=self.layout.payload_elements,
-            num_chunks=len(self.families),
-            chunk_size=self.layout.chunk_size,
-            chunk_utilisation=self.layout.utilisation,
-            model_data_bytes=allocated,
-            model_data_bytes_per_param=payload_bytes / max(1, self.layout.payload_elements),
-            device_chunk_bytes=stats.per_tier_bytes[Tier.DEVICE],
-            host_chunk_bytes=stats.per_tier_bytes[Tier.HOST],
-            peak_device_chunk_bytes=stats.peak_device_bytes,
-            h2d_bytes=stats.h2d_bytes,
-            d2h_bytes=stats.d2h_bytes,
-            evictions=stats.evictions,
-            moves_off_device=stats.moves_off_device,
-            device_memory_limit=self.device_budget,
-            host_memory_limit=self.host_budget,
-            optimizer_tier=self.residency.optimizer_placement_summary(),
-            placement=self.policy.name,
-            rank=self.rank,
-            world_size=self.world_size,
-            gathered_bytes=self.comm.gathered_bytes,
-            reduced_bytes=self.comm.reduced_bytes,
-            group_gathers=self.sharding.gathers,
-            group_prefetches=self.sharding.prefetches,
-            prefetches=stats.prefetches,
-            peak_non_model_bytes=trace.peak_non_model,
-            moment_non_model_bytes=[m.non_model_bytes for m in trace.moments],
-            moment_device_chunk_bytes=[self.moment_chunk_bytes.get(i, 0) for i in range(len(trace.moments))],
-            moment_labels=[self._moment_label(m.kind, m.key) for m in trace.moments],
+            moment_chunk_bytes=self.moment_chunk_bytes,
+            names=self._module_names,
         )

@@ -55,6 +55,7 @@ import torch
 from lightning_pstar.runtime.comm import ChunkComm, group_of, owner_of
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.grads import GradStore
+from lightning_pstar.runtime.local_sharding import LocalSharding
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import TensorState, Tier
 
@@ -72,50 +73,6 @@ class Sweep(str, Enum):
     """A forward pass sweeps the groups in ascending order."""
     BACKWARD = "backward"
     """The backward sweeps them in the reverse order of the forward's gathers and reduces gradients."""
-
-
-class LocalSharding:
-    """The one-rank case as a null object: this rank owns every family, nothing is gathered or reduced,
-    gradients go straight to the chunks."""
-
-    distributed = False
-    gathers = 0
-    prefetches = 0
-
-    def __init__(self, grads: GradStore) -> None:
-        self.grads = grads
-
-    def owns(self, family: ChunkFamily) -> bool:
-        return True
-
-    def start(self, records: Sequence[ParamRecord], layout: tuple[int, int, int, int], detail: str) -> None:
-        """Setup: nothing to agree on with peers."""
-
-    def begin_pass(self) -> None: ...
-
-    def begin_backward(self) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def ensure_gathered(
-        self, families: list[ChunkFamily], protect: set[int], *, in_backward: bool, module: int | None = None
-    ) -> None: ...
-
-    def release_passed(self) -> None: ...
-
-    def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        self.grads.store_local(record, grad)
-
-    def plan_prefetch(self, fits_here: bool) -> bool:
-        return False
-
-    def group_bytes(self) -> int:
-        return 0
-
-    def discard(self) -> None: ...
-
-    def point_at_poison(self, record: ParamRecord) -> None:  # pragma: no cover - every family is owned here
-        raise AssertionError("one rank owns every chunk")
 
 
 class GroupCoordinator:

@@ -1,0 +1,84 @@
+"""The memory report of one chunk manager: what its chunks hold and moved, per tier and per moment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from lightning_pstar.planning.layout import Layout
+from lightning_pstar.report import MemoryReport
+from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.family import ParamTable
+from lightning_pstar.runtime.residency import Residency
+from lightning_pstar.runtime.sharding import Sharding
+from lightning_pstar.runtime.state import Tier
+from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
+
+__all__ = ["build_report", "module_names"]
+
+
+def module_names(module: nn.Module, table: ParamTable) -> list[str]:
+    """The name of each module with chunk parameters, by module index (the moments' keys)."""
+    names = {mod: name for name, mod in module.named_modules()}
+    return [names.get(mod) or "<root>" for mod in table.module_records]
+
+
+def _label(kind: MomentKind, key: int, names: Sequence[str]) -> str:
+    """``"fwd:blocks.0.attn"``, ``"bwd:head"``, ``"step"``: the moment and the module it belongs to."""
+    if kind is MomentKind.STEP:
+        return "step"
+    name = names[key] if key < len(names) else str(key)
+    return f"{'fwd' if kind is MomentKind.FORWARD else 'bwd'}:{name}"
+
+
+def build_report(
+    *,
+    table: ParamTable,
+    layout: Layout,
+    residency: Residency,
+    tracer: MemoryTracer,
+    comm: ChunkComm,
+    sharding: Sharding,
+    precision: str,
+    moment_chunk_bytes: Mapping[int, int],
+    names: Sequence[str],
+) -> MemoryReport:
+    trace = tracer.trace
+    stats = residency.stats
+    allocated = sum(c.nbytes for c in table.iter_chunks() if c.tier is not None)
+    payload_bytes = 0
+    for family in table.families:
+        per_elem = sum(c.dtype.itemsize for c in family.chunks.values() if c.tier is not None)
+        payload_bytes += per_elem * sum(s.numel for s in family.slots)
+    return MemoryReport(
+        precision=precision,
+        num_params=layout.payload_elements,
+        num_chunks=len(table.families),
+        chunk_size=layout.chunk_size,
+        chunk_utilisation=layout.utilisation,
+        model_data_bytes=allocated,
+        model_data_bytes_per_param=payload_bytes / max(1, layout.payload_elements),
+        device_chunk_bytes=stats.per_tier_bytes[Tier.DEVICE],
+        host_chunk_bytes=stats.per_tier_bytes[Tier.HOST],
+        peak_device_chunk_bytes=stats.peak_device_bytes,
+        h2d_bytes=stats.h2d_bytes,
+        d2h_bytes=stats.d2h_bytes,
+        evictions=stats.evictions,
+        moves_off_device=stats.moves_off_device,
+        device_memory_limit=residency.device_budget,
+        host_memory_limit=residency.host_budget,
+        optimizer_tier=residency.optimizer_placement_summary(),
+        placement=residency.policy.name,
+        rank=comm.rank,
+        world_size=comm.world_size,
+        gathered_bytes=comm.gathered_bytes,
+        reduced_bytes=comm.reduced_bytes,
+        group_gathers=sharding.gathers,
+        group_prefetches=sharding.prefetches,
+        prefetches=stats.prefetches,
+        peak_non_model_bytes=trace.peak_non_model,
+        moment_non_model_bytes=[m.non_model_bytes for m in trace.moments],
+        moment_device_chunk_bytes=[moment_chunk_bytes.get(i, 0) for i in range(len(trace.moments))],
+        moment_labels=[_label(m.kind, m.key, names) for m in trace.moments],
+    )
