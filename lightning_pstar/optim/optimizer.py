@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_pstar.optim import kernels
+import lightning_pstar.optim.kernels as kernels
 from lightning_pstar.optim.grads import family_grads, host_grads, whole_family_grad_range
 from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
