@@ -64,13 +64,13 @@ def no_space_error(err: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(seen):
+        if "no space left on device" in str(seen).lower():
             return True
-        failures = getattr(seen, "failures", None)  # DCP's CheckpointException: rank -> the error raised there
-        if isinstance(failures, dict) and any(
-            isinstance(f, BaseException) and no_space_error(f) for f in failures.values()
-        ):
-            return True
+        failures = getattr(seen, "failures", None)  # DCP's CheckpointException: rank -> (error, traceback)
+        if isinstance(failures, dict):
+            raised = [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+            if any(isinstance(f, BaseException) and no_space_error(f) for f in raised):
+                return True
         seen = seen.__cause__ or seen.__context__
     return False
 
@@ -187,14 +187,14 @@ def remove_leftovers(directory: Path) -> list[Path]:
     """
     if not directory.is_dir():
         return []
-    entries = [p for p in directory.iterdir() if p.name.startswith(".")]
-    linked = {os.readlink(p) for p in directory.iterdir() if p.is_symlink()}
     removed: list[Path] = []
-    for entry in entries:
+    for entry in [p for p in directory.iterdir() if p.name.startswith(".")]:
         match = _TMP.match(entry.name)
         if match is not None and _writer_gone(socket.gethostname(), int(match["pid"])):
             _remove_tmp(entry, match["kind"], directory / match["name"], removed)
-            continue
+    # only now the links: a link symlink of a save killed before publishing it no longer keeps its data
+    linked = {os.readlink(p) for p in directory.iterdir() if p.is_symlink()}
+    for entry in [p for p in directory.iterdir() if p.name.startswith(".")]:
         data = _DATA.match(entry.name)
         if data is None or entry.is_symlink() or not entry.is_dir() or entry.name in linked:
             continue

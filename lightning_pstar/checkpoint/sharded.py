@@ -14,6 +14,7 @@ sharded directory it fails with ``IsADirectoryError``. Turn the directory into o
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -93,36 +94,114 @@ def write_sharded(
     any moment leaves ``path`` holding a complete checkpoint, old or new. A full disk raises a
     :class:`CheckpointError` naming the path and "no space" on every rank, after removing the partial data.
     """
-    token = ""
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(path.parent)
-        token = f".{path.name}.{time.time_ns()}"
-        (path.parent / token).mkdir()
-        write_data_marker(path.parent / token)
-    data = path.with_name(_broadcast(token))
+    data: Path | None = None
     try:
+        needed = _total_bytes(tensors)
+        data = path.with_name(
+            _from_rank0(rank, lambda: _new_data_directory(path, needed), "start the sharded checkpoint")
+        )
         dcp.save(tensors, storage_writer=FileSystemWriter(data))
         mine = file_checksums(data, sorted(p.name for p in data.glob(f"__{rank}_*.distcp")))
         if rank == 0:
             mine.update(file_checksums(data, [".metadata"]))
         checksums = _gather_checksums(mine)
         barrier()
-        if rank == 0:
-            meta[CHECKSUMS_KEY] = checksums
-            atomic_torch_save(meta, data / META_FILENAME)
-            _publish(path, data)
+        written = data
+        _from_rank0(rank, lambda: _finish(path, written, meta, checksums), "publish the checkpoint")
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        if rank == 0:
+        full = _agreed_no_space(err, no_space_error(err) or _short_of_space(path.parent, tensors))
+        if rank == 0 and data is not None and not _points_at(path, data):
             shutil.rmtree(data, ignore_errors=True)  # the partial output: no leftover fills the disk
-        if no_space_error(err) or _short_of_space(path.parent, tensors):
+        if full:
             raise CheckpointError(
                 f"cannot write sharded checkpoint '{path}': no space left on device ({_first_line(err)})."
                 " The partial data was removed and the previous checkpoint kept."
                 " HINT: free disk space or save elsewhere (ModelCheckpoint(dirpath=...), save_top_k)."
             ) from err
         raise
-    barrier()
+
+
+def _total_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """The bytes of the tensors every rank saves (a collective where a process group runs)."""
+    mine = sum(t.numel() * t.element_size() for t in tensors.values())
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return mine
+    gathered: list[int | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    return sum(n or 0 for n in gathered)
+
+
+def _new_data_directory(path: Path, needed: int) -> str:
+    """Rank 0: remove what killed saves left, refuse a save that cannot fit, create this save's marked data
+    directory; its name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(path.parent)
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:  # the tensors alone: the store's files are a little larger still
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: the save needs at least {needed} bytes, the filesystem has {free} free;"
+            " nothing was written",
+            str(path.parent),
+        )
+    token = f".{path.name}.{time.time_ns()}"
+    (path.parent / token).mkdir()
+    write_data_marker(path.parent / token)
+    return token
+
+
+def _finish(path: Path, data: Path, meta: dict[str, Any], checksums: dict[str, dict[str, int]]) -> str:
+    """Rank 0, once every rank has written its files: ``meta.pt`` with the checksums, then publish."""
+    meta[CHECKSUMS_KEY] = checksums
+    atomic_torch_save(meta, data / META_FILENAME)
+    _publish(path, data)
+    return ""
+
+
+def _points_at(path: Path, data: Path) -> bool:
+    """Whether ``path`` already names ``data`` (published: never delete it then, whatever failed after)."""
+    return path.is_symlink() and os.readlink(path) == data.name
+
+
+def _from_rank0(rank: int, work: Callable[[], str], what: str) -> str:
+    """Run ``work`` on rank 0 and give every rank its result; where it raised on rank 0, every rank raises.
+
+    A failure of rank 0 alone would leave the other ranks waiting in the next collective until the process
+    group's timeout: they raise at once instead, with rank 0's reason (a full disk reads as one everywhere).
+    """
+    outcome = ["", ""]  # (result, error)
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            outcome[0] = work()
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            failure = err
+            outcome[1] = f"{type(err).__name__}: {_first_line(err)}"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if outcome[1]:
+        raise CheckpointError(f"rank 0 could not {what}: {outcome[1]}")
+    return outcome[0]
+
+
+def _agreed_no_space(err: BaseException, mine: bool) -> bool:
+    """Whether any rank found the disk full, asked before rank 0 removes the partial data (which frees it).
+
+    DCP raises its ``CheckpointException`` on every rank together, so every rank can answer; after any other
+    error a peer may be gone and this rank's own answer stands.
+    """
+    if not isinstance(err, CheckpointException):
+        return mine
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return mine
+    answers: list[bool | None] = [None] * torch.distributed.get_world_size()
+    try:
+        torch.distributed.all_gather_object(answers, mine)
+    except Exception:  # noqa: BLE001 - a peer that died meanwhile: keep this rank's own answer
+        return mine
+    return any(bool(a) for a in answers)
 
 
 def _short_of_space(directory: Path, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -133,15 +212,16 @@ def _short_of_space(directory: Path, tensors: Mapping[str, torch.Tensor]) -> boo
 
 
 def _first_line(err: BaseException) -> str:
+    """One line saying what went wrong (for DCP's ``CheckpointException``: what each failed rank raised)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(err, CheckpointException) and isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            raised = failure[0] if isinstance(failure, tuple) and failure else failure
+            parts.append(f"rank {rank}: {type(raised).__name__}: {_first_line(raised)}")
+        return "; ".join(parts)
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
-
-
-def _broadcast(token: str) -> str:
-    holder = [token]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.broadcast_object_list(holder, src=0)
-    return holder[0]
 
 
 def _gather_checksums(mine: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

@@ -10,11 +10,9 @@ save removes what the killed one left without touching a user's file.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,137 +26,24 @@ from lightning_pstar.checkpoint import (
     load_checkpoint_file,
     main,
     read_sharded_meta,
-    read_sharded_tensors,
     save_checkpoint_file,
-    sharded_meta,
-    stored_keys,
     write_sharded,
+)
+from tests.helpers.killpoints import (
+    KILLED,
+    SAVES,
+    Stop,
+    assert_no_leftovers,
+    assert_user_files_kept,
+    in_child,
+    meta_of,
+    prepare,
+    save_consolidated,
+    save_sharded,
+    version_at,
 )
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ("replace", "rename", "symlink", "unlink", "mkdir", "fsync", "rmtree", "exchange")
-KILLED = 17
-
-
-def tensors_of(version: int, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
-    """The tensors rank ``rank`` owns in save ``version`` (keys split over the ranks)."""
-    gen = torch.Generator().manual_seed(version)
-    full = {f"model/w{i}": torch.randn(64, 32, generator=gen) for i in range(4)}
-    return {k: v for i, (k, v) in enumerate(full.items()) if i % world == rank}
-
-
-def meta_of(version: int) -> dict[str, Any]:
-    return sharded_meta({"global_step": version, "state_dict": {}}, {})
-
-
-def consolidated_of(version: int) -> dict[str, Any]:
-    return {"global_step": version, "state_dict": tensors_of(version)}
-
-
-def instrument(stop_at: int, when: str, counter: list[int]) -> None:
-    """Make every filesystem step count; stop the process before/after step ``stop_at`` (0: never)."""
-
-    def wrap(owner: Any, name: str) -> None:
-        real = getattr(owner, name)
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            counter[0] += 1
-            mine = counter[0]  # steps nest (rmtree unlinks): each stops on its own number
-            if mine == stop_at and when == "before":
-                os._exit(KILLED)
-            try:
-                return real(*args, **kwargs)
-            finally:  # also after a step that raised (mkdir of an existing directory)
-                if mine == stop_at and when == "after":
-                    os._exit(KILLED)
-
-        setattr(owner, name, step)
-
-    for name in ("replace", "rename", "symlink", "unlink", "mkdir", "fsync"):
-        wrap(os, name)
-    wrap(shutil, "rmtree")
-    wrap(ckpt_io, "_exchange")
-
-
-def in_child(body: Callable[[], int | None], *, stop_at: int, when: str, count_file: Path | None = None) -> int:
-    """Run ``body`` in a forked child (instrumented); its exit status (KILLED where it was stopped)."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            counter = [0]
-            instrument(stop_at, when, counter)
-            body()
-            if count_file is not None:
-                count_file.write_text(str(counter[0]))
-            code = 0
-        except BaseException as err:  # noqa: BLE001 - reported through the exit status
-            print(f"child failed: {type(err).__name__}: {err}", file=sys.stderr)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
-def save_consolidated(path: Path, version: int) -> None:
-    save_checkpoint_file(consolidated_of(version), path)
-
-
-def save_sharded(path: Path, version: int) -> None:
-    write_sharded(path, meta=meta_of(version), tensors=tensors_of(version), rank=0, barrier=lambda: None)
-
-
-def version_at(path: Path, fmt: str) -> int:
-    """The version of the complete checkpoint at ``path`` (its tensors checked against that version)."""
-    if fmt == "consolidated":
-        loaded = load_checkpoint_file(path)
-        version = int(loaded["global_step"])
-        got = loaded["state_dict"]
-    else:
-        meta = read_sharded_meta(path)
-        version = int(meta["global_step"])
-        got = read_sharded_tensors(path, stored_keys(path))
-    want = tensors_of(version)
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
-    return version
-
-
-SAVES = {"consolidated": save_consolidated, "sharded": save_sharded}
-TARGETS = ["link", "real-directory"]  # the previous sharded checkpoint: our link, or a `cp -rL` copy
-
-
-def prepare(tmp_path: Path, fmt: str, target: str) -> Path:
-    """A directory with the previous checkpoint (version 1) at ``last.ckpt`` and a user's files beside it."""
-    root = tmp_path / "ckpts"
-    root.mkdir()
-    path = root / "last.ckpt"
-    SAVES[fmt](path, 1)
-    if target == "real-directory":
-        copy = root / "copy"
-        shutil.copytree(path, copy, symlinks=False)  # what `cp -rL` makes
-        os.unlink(path)
-        ckpt_io.remove_leftovers(root)  # the data directory no link points at any more
-        os.rename(copy, path)
-        assert path.is_dir() and not path.is_symlink()
-    (root / ".last.ckpt.mine").write_text("a user's file")
-    (root / ".last.ckpt.123456789012345").mkdir()  # a user's directory of our data-directory name pattern
-    (root / ".last.ckpt.123456789012345" / "notes.txt").write_text("mine")
-    return path
-
-
-def assert_user_files_kept(root: Path) -> None:
-    assert (root / ".last.ckpt.mine").read_text() == "a user's file"
-    assert (root / ".last.ckpt.123456789012345" / "notes.txt").read_text() == "mine"
-
-
-def assert_no_leftovers(path: Path) -> None:
-    root = path.parent
-    linked = {os.readlink(p) for p in root.iterdir() if p.is_symlink()}
-    ours = {".last.ckpt.mine", ".last.ckpt.123456789012345"}
-    extra = sorted(p.name for p in root.iterdir() if p.name.startswith(".") and p.name not in ours | linked)
-    assert not extra, f"leftovers after a successful save: {extra}"
 
 
 def count_steps(tmp_path: Path, fmt: str, target: str) -> int:
@@ -166,9 +51,9 @@ def count_steps(tmp_path: Path, fmt: str, target: str) -> int:
     scratch.mkdir()
     path = prepare(scratch, fmt, target)
     count_file = scratch / "count.txt"
-    assert in_child(lambda: SAVES[fmt](path, 2), stop_at=0, when="never", count_file=count_file) == 0
+    assert in_child(lambda: SAVES[fmt](path, 2), stop=Stop(), count_file=count_file) == 0
     assert version_at(path, fmt) == 2
-    return int(count_file.read_text())
+    return len(count_file.read_text().split())
 
 
 KILL_CASES = [("consolidated", "link"), ("sharded", "link"), ("sharded", "real-directory")]
@@ -184,7 +69,7 @@ def test_kill_at_every_filesystem_step_keeps_a_checkpoint(fmt: str, target: str,
             case = tmp_path / f"{n}-{when}"
             case.mkdir()
             path = prepare(case, fmt, target)
-            code = in_child(lambda path=path: SAVES[fmt](path, 2), stop_at=n, when=when)
+            code = in_child(lambda path=path: SAVES[fmt](path, 2), stop=Stop(n, when))
             assert code == KILLED, (n, when, code)
             version = version_at(path, fmt)  # a complete checkpoint: the previous one or the new one
             seen[version] += 1
