@@ -139,7 +139,10 @@ def parse_bytes(value: int | str, *, name: str) -> int:
             )
         nbytes = int(float(match.group(1)) * _UNITS[unit])
     else:
-        raise ValueError(f"`{name}` must be an int or a string such as '8GiB', got {type(value).__name__}.")
+        raise ValueError(
+            f"`{name}` must be an int or a string such as '8GiB' (a byte count), got {value!r}"
+            f" ({type(value).__name__})."
+        )
     if nbytes <= 0:
         raise ValueError(f"`{name}` must be positive, got {value!r}.")
     return nbytes
@@ -391,6 +394,10 @@ class PStarConfig:
             try:
                 merged = OmegaConf.merge(OmegaConf.structured(cls), plain)
             except ValidationError as err:
+                try:  # the dataclasses' own checks say what is accepted, in this package's words
+                    cls(**plain)
+                except ValueError as own:
+                    raise own from None
                 reason = str(err.msg).splitlines()[0]
                 raise ValueError(f"Invalid PatrickStar option `{err.full_key}`: {reason}.") from None
             obj = OmegaConf.to_object(merged)
