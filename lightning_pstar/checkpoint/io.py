@@ -232,6 +232,13 @@ def load_file(path: Path, *, map_location: Any = "cpu", weights_only: bool | Non
     if not path.exists():
         raise CheckpointError(f"checkpoint '{path}' does not exist. HINT: check the path (ckpt_path=...).")
     if path.is_dir():
+        if (path / "meta.pt").is_file():  # sharded.META_FILENAME (that module imports this one)
+            raise CheckpointError(
+                f"checkpoint '{path}' is a PatrickStar sharded checkpoint directory, not one file."
+                f" HINT: resume it with Trainer(strategy='patrickstar', ...).fit(ckpt_path=...) at any world size,"
+                f" or make one file that plain Lightning and torch.load read:"
+                f" python -m lightning_pstar.consolidate {path} OUT.ckpt"
+            )
         raise CheckpointError(
             f"checkpoint '{path}' is a directory but not a PatrickStar sharded checkpoint (no meta.pt)."
             " HINT: pass a checkpoint file, or a directory written with checkpoint='sharded'."

@@ -106,6 +106,34 @@ def test_sharded_directory_in_plain_lightning_is_documented() -> None:
     assert sharded.__doc__ is not None and "python -m lightning_pstar.consolidate" in sharded.__doc__
 
 
+def test_sharded_directory_in_plain_lightning_and_the_fix(tmp_path: Path) -> None:
+    """What a user of plain Lightning sees with a sharded directory (Lightning opens ``ckpt_path`` as a file
+    before any code of this package runs: it cannot be intercepted), this package's own loader naming the fix,
+    and the fix working: the consolidated file loads in plain Lightning with the same weights."""
+    from lightning_pstar.checkpoint import consolidate, load_checkpoint_file
+
+    path = tmp_path / "sharded.ckpt"
+    trained = TinyLM()
+    trainer = make_trainer(strategy=PatrickStarStrategy(checkpoint="sharded"), max_steps=1, callbacks=[_SaveAt(1, path)])
+    trainer.fit(trained, make_loader())
+    assert path.is_dir()
+    with pytest.raises(IsADirectoryError, match=str(path)):  # plain Lightning: no hint is possible there
+        TinyLM.load_from_checkpoint(str(path))
+    with pytest.raises(IsADirectoryError, match=str(path)):
+        make_trainer(strategy="auto", max_steps=2).fit(TinyLM(), make_loader(), ckpt_path=str(path))
+    with pytest.raises(CheckpointError, match=r"sharded checkpoint directory.*python -m lightning_pstar\.consolidate"):
+        load_checkpoint_file(path)
+    out = tmp_path / "one.ckpt"
+    consolidate(path, out)
+    loaded = TinyLM.load_from_checkpoint(str(out))
+    for name, value in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value.detach().cpu()), name
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Checkpoints", 1)[1].split("\n## ", 1)[0]
+    for needed in ('strategy="auto"', "load_from_checkpoint", "IsADirectoryError", "python -m lightning_pstar.consolidate"):
+        assert needed in section, needed
+
+
 def test_meta_model_setup_error_reaches_the_user_as_itself() -> None:
     module = TinyLM(meta_init=True)
     trainer = make_trainer(strategy=PatrickStarStrategy(chunk_size=1024, device_memory_limit=1000), max_steps=2)
