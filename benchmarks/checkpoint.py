@@ -1,13 +1,19 @@
 """Save and load time and peak host memory of consolidated and sharded checkpoints of the example GPT.
 
-    python benchmarks/checkpoint.py                       # 1 and 2 ranks, both formats
+    python benchmarks/checkpoint.py                       # 1 and 2 ranks, both formats, checks on and off
     python benchmarks/checkpoint.py --n-layer 8 --n-embd 512 --json /tmp/ckpt.json
+    python benchmarks/checkpoint.py --ranks 2 --integrity on  # only the default (checked) saves and loads
 
 Each (format, ranks) pair runs in a fresh process group. A run trains the demo GPT for ``--steps`` steps, then
 times ``trainer.save_checkpoint`` on every rank; then a fresh Trainer with ``max_steps`` equal to the saved
 step count fits from that checkpoint (so it only restores) and the same fit without a checkpoint is timed
 too: the difference is the load time. Peak host memory is the rise of the process's resident-set high-water
 mark during the operation (Linux: reset through ``/proc/self/clear_refs``, read from ``VmHWM``), per rank.
+
+The cost of the integrity checks (issue 14) is measured two ways: every pair runs with the checks (the
+default) and without them (``--integrity off``: torch writes no record CRC32s, no file checksums are computed
+or verified: switched off in the benchmark's processes only, the package has no such option), and after each
+checked save rank 0 times the verification alone (``verify_s``: what a load spends checking the files).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     directory = Path(args.dir)
+    extra: list[Any] = [] if args.integrity == "on" else [NoIntegrity()]
 
     def make() -> tuple[Any, Any]:
         L.seed_everything(0)
@@ -81,15 +88,15 @@ def worker(args: argparse.Namespace) -> None:
 
     module, data = make()
     t = trainer(args.steps)
-    t.callbacks.append(Save(directory))
+    t.callbacks.extend([*extra, Save(directory, verify=args.integrity == "on")])
     t.fit(module, data)
     module, data = make()
     t = trainer(args.steps)
-    t.callbacks.append(Load("load"))
+    t.callbacks.extend([*extra, Load("load")])
     t.fit(module, data, ckpt_path=str(directory / "ckpt"))
     module, data = make()
     t = trainer(0)
-    t.callbacks.append(Load("baseline"))
+    t.callbacks.extend([*extra, Load("baseline")])
     t.fit(module, data)
 
 
@@ -102,11 +109,45 @@ def _record(directory: Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-class Save(L.Callback):
-    """Times ``trainer.save_checkpoint`` at the end of training, on every rank."""
+class NoIntegrity(L.Callback):
+    """Switches the checksums off in this rank's process (``setup`` runs on every rank before a restore)."""
 
-    def __init__(self, directory: Path) -> None:
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        import torch
+
+        import lightning_pstar.checkpoint.io as io_module
+        import lightning_pstar.checkpoint.sharded as sharded_module
+
+        torch.serialization.set_crc32_options(False)  # torch writes no record CRC32s (verify then skips them)
+        io_module.verify_torch_file = lambda path: None  # type: ignore[assignment]
+        sharded_module.verify_checksums = lambda directory, table: None  # type: ignore[assignment]
+        sharded_module.file_checksums = lambda directory, names: {}  # type: ignore[assignment]
+
+
+def _verify_seconds(path: Path) -> float:
+    """How long checking the checksums of the checkpoint at ``path`` takes (what a load spends on them)."""
+    import torch
+
+    from lightning_pstar.checkpoint.integrity import verify_checksums, verify_torch_file
+    from lightning_pstar.checkpoint.sharded import CHECKSUMS_KEY, META_FILENAME
+
+    start = time.perf_counter()
+    if path.is_dir():
+        meta = path / META_FILENAME
+        verify_torch_file(meta)
+        table = torch.load(meta, weights_only=False)[CHECKSUMS_KEY]
+        verify_checksums(path, table)
+    else:
+        verify_torch_file(path)
+    return time.perf_counter() - start
+
+
+class Save(L.Callback):
+    """Times ``trainer.save_checkpoint`` at the end of training, on every rank (and the verification alone)."""
+
+    def __init__(self, directory: Path, *, verify: bool) -> None:
         self.directory = directory
+        self.verify = verify
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         path = self.directory / "ckpt"
@@ -114,6 +155,8 @@ class Save(L.Callback):
         files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
         size = sum(p.stat().st_size for p in files)
         row = {"op": "save", "rank": trainer.global_rank, "s": seconds, "peak": peak, "bytes": size}
+        if self.verify and trainer.global_rank == 0:
+            row["verify_s"] = _verify_seconds(path)
         _record(self.directory, row)
 
 
@@ -136,9 +179,10 @@ class Load(L.Callback):
         _record(Path(os.environ["PSTAR_BENCH_DIR"]), row)
 
 
-def run(args: argparse.Namespace, fmt: str, ranks: int) -> dict[str, Any]:
+def run(args: argparse.Namespace, fmt: str, ranks: int, integrity: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, __file__, "--worker", "--format", fmt, "--ranks", str(ranks), "--dir", tmp]
+        cmd += ["--integrity", integrity]
         cmd += ["--steps", str(args.steps), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd)]
         cmd += ["--n-head", str(args.n_head), "--block-size", str(args.block_size)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PSTAR_BENCH_DIR": tmp}
@@ -155,9 +199,12 @@ def run(args: argparse.Namespace, fmt: str, ranks: int) -> dict[str, Any]:
     for row in rows:
         by_op.setdefault(row["op"], []).append(row)
     save, load, base = by_op["save"], by_op["load"], by_op["baseline"]
+    verify = [r["verify_s"] for r in save if "verify_s" in r]
     return {
         "format": fmt,
         "world_size": ranks,
+        "integrity": integrity == "on",
+        "verify_s": verify[0] if verify else None,
         "save_s": max(r["s"] for r in save),
         "load_s": max(r["s"] for r in load) - max(r["s"] for r in base),
         "save_peak_host_bytes_per_rank": {r["rank"]: r["peak"] for r in save},
@@ -175,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--ranks", default="1,2", help="comma-separated world sizes (default: 1,2)")
     parser.add_argument("--formats", default="consolidated,sharded")
+    parser.add_argument(
+        "--integrity", default="on,off", help="with the checksums (on), without (off), or both (default: on,off)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--format", default="consolidated", help=argparse.SUPPRESS)
@@ -184,19 +234,26 @@ def main(argv: list[str] | None = None) -> int:
         args.ranks = int(args.ranks)
         worker(args)
         return 0
-    results = [run(args, fmt, int(r)) for r in args.ranks.split(",") for fmt in args.formats.split(",")]
+    results = [
+        run(args, fmt, int(r), check)
+        for r in args.ranks.split(",")
+        for fmt in args.formats.split(",")
+        for check in args.integrity.split(",")
+    ]
 
     def mib(n: int) -> str:
         return f"{n / 2**20:8.1f} MiB"
 
     print(f"demo GPT n_layer={args.n_layer} n_embd={args.n_embd}; times are the slowest rank's")
-    print("format        ranks   size          save      load    save peak/rank          load peak/rank")
+    print("format        ranks checks  size          save      load    verify  save peak/rank          load peak/rank")
     for r in results:
         save_peak = " ".join(mib(v) for v in r["save_peak_host_bytes_per_rank"].values())
         load_peak = " ".join(mib(v) for v in r["load_peak_host_bytes_per_rank"].values())
+        verify = "       -" if r["verify_s"] is None else f"{r['verify_s']:6.3f} s"
+        checks = "on" if r["integrity"] else "off"
         print(
-            f"{r['format']:<13} {r['world_size']:>5} {mib(r['checkpoint_bytes'])} {r['save_s']:8.2f} s"
-            f" {r['load_s']:8.2f} s  {save_peak:<22} {load_peak}"
+            f"{r['format']:<13} {r['world_size']:>5} {checks:>6} {mib(r['checkpoint_bytes'])}"
+            f" {r['save_s']:8.3f} s {r['load_s']:8.3f} s {verify}  {save_peak:<22} {load_peak}"
         )
     if args.json:
         args.json.write_text(json.dumps({"runs": results}, indent=2))
