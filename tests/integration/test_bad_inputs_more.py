@@ -114,8 +114,8 @@ def test_sharded_directory_in_plain_lightning_and_the_fix(tmp_path: Path) -> Non
 
     path = tmp_path / "sharded.ckpt"
     trained = TinyLM()
-    trainer = make_trainer(strategy=PatrickStarStrategy(checkpoint="sharded"), max_steps=1, callbacks=[_SaveAt(1, path)])
-    trainer.fit(trained, make_loader())
+    strategy = PatrickStarStrategy(checkpoint="sharded")
+    make_trainer(strategy=strategy, max_steps=1, callbacks=[_SaveAt(1, path)]).fit(trained, make_loader())
     assert path.is_dir()
     with pytest.raises(IsADirectoryError, match=str(path)):  # plain Lightning: no hint is possible there
         TinyLM.load_from_checkpoint(str(path))
@@ -130,8 +130,9 @@ def test_sharded_directory_in_plain_lightning_and_the_fix(tmp_path: Path) -> Non
         assert torch.equal(loaded.state_dict()[name], value.detach().cpu()), name
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Checkpoints", 1)[1].split("\n## ", 1)[0]
-    for needed in ('strategy="auto"', "load_from_checkpoint", "IsADirectoryError", "python -m lightning_pstar.consolidate"):
-        assert needed in section, needed
+    needed = ('strategy="auto"', "load_from_checkpoint", "IsADirectoryError", "python -m lightning_pstar.consolidate")
+    for text in needed:
+        assert text in section, text
 
 
 def test_meta_model_setup_error_reaches_the_user_as_itself() -> None:
