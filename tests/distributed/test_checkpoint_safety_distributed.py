@@ -14,7 +14,8 @@ writes the file, then every rank waits in a barrier). After every stop:
   ``PatrickStarStrategy.load_checkpoint`` runs) and by a later 2-rank save.
 
 The default run stops at the first occurrence of every distinct step of each rank and at rank 0's publishing
-steps, before and after (both ranks: before only); the ``slow`` variant stops at every step.
+steps, before and after (both ranks: before only), and for a real directory at the name (``cp -rL``) only
+where its steps differ (from the link on); the ``slow`` variant stops at every step of every case.
 """
 
 from __future__ import annotations
@@ -109,12 +110,20 @@ def chosen(names: list[str], every: bool, publish: bool) -> list[int]:
     return sorted(picks)
 
 
-def kill_points(steps: dict[int, list[str]], every: bool) -> Iterator[tuple[str, dict[int, Stop]]]:
-    for who in WHO:
+def kill_points(
+    steps: dict[int, list[str]], every: bool, *, publish_only: bool = False
+) -> Iterator[tuple[str, dict[int, Stop]]]:
+    """The cases: who is stopped (rank 0, rank 1, both) and where. ``publish_only`` (the default run's
+    real-directory case, whose steps differ from the link case's only from the link on): rank 0 and both
+    ranks, at rank 0's publishing steps."""
+    start = steps[0].index("symlink") + 1 if publish_only else 1
+    for who in ("rank0", "both") if publish_only else WHO:
         ranks = [0, 1] if who == "both" else [int(who[-1])]
         longest = max((steps[r] for r in ranks), key=len)
         whens = ("before",) if who == "both" and not every else ("before", "after")
         for n in chosen(longest, every, publish=who != "both"):
+            if n < start:
+                continue
             for when in whens:
                 yield f"{who}@{n}-{when}", {r: Stop(min(n, len(steps[r])), when) for r in ranks}
 
@@ -126,7 +135,8 @@ def check_kill_points(tmp_path: Path, fmt: str, target: str, every: bool) -> Non
     steps = steps_of(template, fmt, scratch)
     found = {1: 0, 2: 0}
     total = both_killed = 0
-    for i, (name, stops) in enumerate(kill_points(steps, every)):
+    publish_only = target == "real-directory" and not every
+    for i, (name, stops) in enumerate(kill_points(steps, every, publish_only=publish_only)):
         case = tmp_path / name
         case.mkdir()
         path = copy_of(template, case)
