@@ -210,16 +210,20 @@ def min_device_bytes(
 
 @dataclass(frozen=True, kw_only=True)
 class TierNeed:
-    """Model data of the rank that owns the most, and how it splits between the tiers."""
+    """Model data of the rank whose host need is largest, and how it splits between the tiers."""
 
     per_rank: int
     """Chunk bytes of every family the rank owns (chunk ``i`` is owned by rank ``i % world_size``)."""
     frozen_master: int
     """Of which fp32 copies of frozen weights, which never go to the device."""
     device: int
-    """What the device budget can take: everything but the frozen copies, up to the budget."""
+    """What the device budget can take: everything but what starts on the host, up to the budget."""
     host: int
     """The rest, plus host-resident embeddings (``cpu_embedding``)."""
+    optimizer_side: int = 0
+    """Of ``per_rank``: fp32 masters, fp32 grads and optimizer states of trainable families."""
+    optimizer_on_host: bool = False
+    """The optimizer side starts on the host (counted in ``host`` whatever the device budget)."""
 
 
 def tier_need(
@@ -229,24 +233,41 @@ def tier_need(
     world_size: int,
     device_budget: int | None,
     host_embedding_bytes: int = 0,
+    optimizer_on_host: bool = False,
 ) -> TierNeed:
     """Where the model data of the fullest rank goes when the device keeps as much as its budget allows
-    (``device_budget=None``: unlimited)."""
+    (``device_budget=None``: unlimited).
+
+    ``optimizer_on_host``: the fp32 masters, grads and optimizer states start on the host (the placement
+    policy's ``optimizer_tier`` at setup: ``auto`` with a device budget, ``static`` when model data exceeds the
+    chunks' share); they then count against the host budget in full, before anything is allocated, and only
+    param chunks share the device budget. The fullest rank is the one whose host need is largest.
+    """
     owned = [0] * world_size
     frozen = [0] * world_size
+    side = [0] * world_size
+    side_bpe = bpe.master + bpe.grad + bpe.optimizer
     for chunk in layout.chunks:
         rank = owner_of(chunk.chunk_id, world_size)
         owned[rank] += chunk.capacity * (bpe.trainable if chunk.trainable else bpe.frozen)
-        if not chunk.trainable:
+        if chunk.trainable:
+            side[rank] += chunk.capacity * side_bpe
+        else:
             frozen[rank] += chunk.capacity * bpe.frozen_master
-    per_rank, frozen_master = max(owned), max(frozen)
-    movable = per_rank - frozen_master
-    device = movable if device_budget is None else min(movable, device_budget)
+    needs = []
+    for rank in range(world_size):
+        on_host = frozen[rank] + (side[rank] if optimizer_on_host else 0)
+        movable = owned[rank] - on_host
+        device = movable if device_budget is None else min(movable, device_budget)
+        needs.append((on_host + movable - device, owned[rank], rank, device))
+    host, per_rank, rank, device = max(needs)
     return TierNeed(
-        per_rank=per_rank,
-        frozen_master=frozen_master,
+        per_rank=max(owned),
+        frozen_master=frozen[rank],
         device=device,
-        host=host_embedding_bytes + frozen_master + movable - device,
+        host=host_embedding_bytes + host,
+        optimizer_side=side[rank],
+        optimizer_on_host=optimizer_on_host,
     )
 
 
@@ -287,11 +308,18 @@ def check_budgets(
             " room activations leave at each moment."
         )
     if tiers.host > host_budget:
+        start = ""
+        if tiers.optimizer_on_host:
+            start = (
+                f" The fp32 masters/grads and optimizer states ({format_bytes(tiers.optimizer_side, exact=True)})"
+                " start on the host whatever the device budget (placement 'auto' with a device budget moves"
+                " the families that fit onto the device only after the warm-up)."
+            )
         raise MemoryBudgetError(
             f"model data does not fit: this rank needs {format_bytes(tiers.per_rank, exact=True)} of chunks"
             " (params, fp32 masters/grads and optimizer states); the device can take"
             f" {format_bytes(tiers.device, exact=True)} (device budget {format_bytes(device_budget, exact=True)}),"
             f" which leaves {format_bytes(tiers.host, exact=True)} for the host, but host_memory_limit is"
-            f" {format_bytes(host_budget, exact=True)}. HINT: raise host_memory_limit or device_memory_limit, or"
-            " train on more ranks."
+            f" {format_bytes(host_budget, exact=True)}.{start} HINT: raise host_memory_limit or"
+            " device_memory_limit, or train on more ranks."
         )
