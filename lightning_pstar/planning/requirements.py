@@ -26,6 +26,7 @@ __all__ = [
     "check_budgets",
     "chunk_layout",
     "collect_parameters",
+    "friendly_chunk_elements",
     "host_embeddings",
     "min_device_bytes",
     "module_parameters",
@@ -161,16 +162,35 @@ def chunk_layout(
     device_budget: int | None,
     compute_itemsize: int,
     world_size: int,
+    allocator_friendly: bool = False,
 ) -> Layout:
     """The chunk layout of the parameters :func:`collect_parameters` returned, each under its first name,
     trainable and frozen ones in separate families. ``chunk_elements=None`` ("auto") searches the chunk size
-    that suits ``device_budget`` (None: unlimited)."""
+    that suits ``device_budget`` (None: unlimited).
+
+    ``allocator_friendly`` (CUDA, where host buffers are pinned): "auto" takes a power-of-two chunk size near
+    the searched one (the one below when every parameter still fits whole, else the one above), so every
+    chunk kind's bytes are a power of two and torch's host allocator pins no byte more than the chunk
+    ([Note: pinned memory] in ``runtime/pinned.py``). An explicit ``chunk_elements`` is kept as given.
+    """
     specs = [ParamSpec(name=names[0], numel=p.numel(), trainable=p.requires_grad) for p, names in named]
     if chunk_elements is None:
-        return search_chunk_size(
+        layout = search_chunk_size(
             specs, device_budget_bytes=device_budget, compute_itemsize=compute_itemsize, world_size=world_size
         )
+        if not allocator_friendly:
+            return layout
+        return plan_layout(specs, friendly_chunk_elements(layout.chunk_size, specs), world_size=world_size)
     return plan_layout(specs, chunk_elements, world_size=world_size)
+
+
+def friendly_chunk_elements(chunk_size: int, specs: Sequence[ParamSpec]) -> int:
+    """The power of two nearest ``chunk_size`` from below that still holds the largest parameter whole (so no
+    parameter gets a chunk of its own, odd, size), else the one above."""
+    up = 1 << max(0, chunk_size - 1).bit_length()
+    down = up if up == chunk_size else up // 2
+    largest = max((s.numel for s in specs), default=1)
+    return down if down >= largest else up
 
 
 def min_device_bytes(

@@ -171,6 +171,7 @@ class ChunkManager:
             device_budget=device_budget,
             compute_itemsize=self.compute_dtype.itemsize,
             world_size=self.world_size,
+            allocator_friendly=self.device.type == "cuda",  # pinned host buffers: [Note: pinned memory]
         )
 
     def bytes_per_element(self, optimizer: int = _ADAM_STATE_BYTES) -> BytesPerElement:

@@ -17,6 +17,7 @@ from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.placement import PlacementPolicy
 from lightning_pstar.runtime.state import Tier
 
@@ -162,8 +163,9 @@ class Residency:
             self.stats.evictions += 1
 
     def check_host_room(self, nbytes: int) -> None:
-        used = self.stats.per_tier_bytes[Tier.HOST]
-        if used + nbytes > self.host_budget:
+        arena = host_arena()  # pinned blocks are held as torch's host allocator holds them: [Note: pinned memory]
+        used = self.stats.per_tier_bytes[Tier.HOST] + arena.extra_bytes()
+        if used + arena.added_bytes(nbytes) > self.host_budget:
             raise MemoryBudgetError(
                 f"host budget exceeded: {format_bytes(used, exact=True)} in use, {format_bytes(nbytes, exact=True)}"
                 f" more needed, budget {format_bytes(self.host_budget, exact=True)}. HINT: raise host_memory_limit."
