@@ -30,6 +30,7 @@ __all__ = [
     "host_embeddings",
     "min_device_bytes",
     "module_parameters",
+    "step_temporary_bytes",
     "tier_need",
 ]
 
@@ -289,6 +290,13 @@ def tier_need(
         optimizer_side=side[rank],
         optimizer_on_host=optimizer_on_host,
     )
+
+
+def step_temporary_bytes(capacity: int) -> int:
+    """Device bytes the optimizer step of one family allocates beside its chunks when it runs on the device: the
+    fp32 copy of the family's gradients (``optim/grads.py``: the compute-dtype gradients in mixed precision,
+    the unscaled ones in 32-true), live until the family's update is done; families step one at a time."""
+    return 4 * capacity
 
 
 def host_embedding_bytes(params: Mapping[str, nn.Parameter], *, optimizer: int) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.planning.requirements import MemoryBudgetError, step_temporary_bytes
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
@@ -211,7 +211,9 @@ class Residency:
         """Keep whole optimizer-state families on the device as far as the margin at the step allows."""
         assert self.device_budget is not None
         params = sum(f.param_chunk.nbytes for f in self.families)
-        margin = self.device_budget - peak_non_model - params
+        # the device-side step's fp32 gradient copy of one family at a time is budgeted too (issue 12)
+        temporary = max((step_temporary_bytes(f.capacity) for f in self.families if f.trainable), default=0)
+        margin = self.device_budget - peak_non_model - params - temporary
         moved = 0
         for family in self.families:
             if not family.trainable:
