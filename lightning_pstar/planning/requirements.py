@@ -169,8 +169,8 @@ def chunk_layout(
     trainable and frozen ones in separate families. ``chunk_elements=None`` ("auto") searches the chunk size
     that suits ``device_budget`` (None: unlimited).
 
-    ``allocator_friendly`` (CUDA, where host buffers are pinned): "auto" takes a power-of-two chunk size near
-    the searched one (the one below when every parameter still fits whole, else the one above), so every
+    ``allocator_friendly`` (CUDA, where host buffers are pinned): "auto" takes the power-of-two chunk size next to
+    the searched one (below when every parameter still fits whole, or above) that wastes fewer bytes, so every
     chunk kind's bytes are a power of two and torch's host allocator pins no byte more than the chunk
     ([Note: pinned memory] in ``runtime/pinned.py``). An explicit ``chunk_elements`` is kept as given.
     """
@@ -181,7 +181,12 @@ def chunk_layout(
         )
         if not allocator_friendly:
             return layout
-        return plan_layout(specs, friendly_chunk_elements(layout.chunk_size, specs), world_size=world_size)
+        sizes = {friendly_chunk_elements(layout.chunk_size, specs), 1 << max(0, layout.chunk_size - 1).bit_length()}
+        if device_budget is not None:  # two chunk groups must still fit the budget, as the search required
+            fit = {n for n in sizes if 2 * world_size * n * compute_itemsize <= device_budget}
+            sizes = fit or {min(sizes)}
+        candidates = [plan_layout(specs, size, world_size=world_size) for size in sorted(sizes)]
+        return min(candidates, key=lambda c: c.capacity_elements)  # the fewest bytes; the smaller size on a tie
     return plan_layout(specs, chunk_elements, world_size=world_size)
 
 
