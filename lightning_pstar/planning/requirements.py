@@ -297,11 +297,11 @@ def tier_need(
     )
 
 
-def step_temporary_bytes(capacity: int) -> int:
-    """Device bytes the optimizer step of one family allocates beside its chunks when it runs on the device: the
-    fp32 copy of the family's gradients (``optim/grads.py``: the compute-dtype gradients in mixed precision,
-    the unscaled ones in 32-true), live until the family's update is done; families step one at a time."""
-    return 4 * capacity
+def step_temporary_bytes(capacity: int, *, mixed: bool) -> int:
+    """Device bytes the optimizer step of one family allocates beside its chunks when it runs on the device: in
+    mixed precision the fp32 copy of the family's compute-dtype gradients (``optim/grads.py``), live until the
+    family's update is done (families step one at a time); 32-true steps on views of its fp32 grad chunk."""
+    return 4 * capacity if mixed else 0
 
 
 def host_embedding_bytes(params: Mapping[str, nn.Parameter], *, optimizer: int) -> int:

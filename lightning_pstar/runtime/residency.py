@@ -211,8 +211,12 @@ class Residency:
         """Keep whole optimizer-state families on the device as far as the margin at the step allows."""
         assert self.device_budget is not None
         params = sum(f.param_chunk.nbytes for f in self.families)
-        # the device-side step's fp32 gradient copy of one family at a time is budgeted too (issue 12)
-        temporary = max((step_temporary_bytes(f.capacity) for f in self.families if f.trainable), default=0)
+        # CUDA: the device-side step's fp32 gradient copy of one family at a time is budgeted too (issue 12; the
+        # simulated device measures saved tensors only, no temporaries)
+        on_cuda = [f for f in self.families if f.trainable and self.device.type == "cuda"]
+        temporary = max(
+            (step_temporary_bytes(f.capacity, mixed=ChunkKind.MASTER in f.chunks) for f in on_cuda), default=0
+        )
         margin = self.device_budget - peak_non_model - params - temporary
         moved = 0
         for family in self.families:

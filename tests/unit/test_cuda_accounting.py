@@ -127,7 +127,8 @@ def test_a_cuda_out_of_memory_names_the_moment_the_budget_and_what_to_change() -
 
 
 def test_step_temporaries_are_one_fp32_family() -> None:
-    assert step_temporary_bytes(1000) == 4000
+    assert step_temporary_bytes(1000, mixed=True) == 4000
+    assert step_temporary_bytes(1000, mixed=False) == 0  # 32-true steps on views of its fp32 grad chunk
 
 
 class _Exploding(L.LightningModule):
