@@ -1,34 +1,42 @@
-"""Model FLOPs utilisation and the largest trainable demo GPT on one GPU: PatrickStar against FSDP2 CPU offload.
+"""What offload costs and buys on one GPU: PatrickStar with and without an offloading budget, FSDP2 with
+``CPUOffloadPolicy``, Lightning's ``deepspeed_stage_3_offload`` and a no-offload baseline, on a GPT ladder.
 
-    python benchmarks/gpu_check.py --json /tmp/gpu_check.json             # one large GPU, about 8 minutes
+    python benchmarks/gpu_check.py --json /tmp/gpu_check.json             # one H200, under 8 minutes
     python benchmarks/gpu_check.py --tiny --json /tmp/gpu_check_tiny.json # CPU, tiny model, same code path
 
-Both strategies train the demo GPT at one rank in ``bf16-mixed``:
+Every strategy trains the demo GPT at one rank in ``bf16-mixed``:
 
-- ``patrickstar``: ``PatrickStarStrategy(device_memory_limit=D, host_memory_limit=H)``;
+- ``patrickstar``: ``PatrickStarStrategy(host_memory_limit=H)`` with its default device budget (0.8 of the GPU;
+  unlimited on the simulated device of ``--tiny``): offloads only what does not fit;
+- ``patrickstar-offload``: the same with ``device_memory_limit`` set so that the model data is 2-4x the budget
+  (a third of it, or activations plus two chunk groups if that is more): every step moves chunks;
 - ``fsdp-offload``: ``ModelParallelStrategy`` with ``fully_shard`` (``CPUOffloadPolicy``, bf16
-  ``MixedPrecisionPolicy``) on every block and the root, built on the meta device and materialised into its
-  host-resident shards (the full model never exists on the GPU).
+  ``MixedPrecisionPolicy``) per block and at the root, built on the meta device, materialised on the host;
+- ``deepspeed-offload``: Lightning's ``deepspeed_stage_3_offload`` with ``DeepSpeedCPUAdam``, where ``import
+  deepspeed`` works; otherwise its rows say why not (the script never installs anything);
+- ``baseline``: the same FSDP2 module without offload (everything on the GPU), at the sizes that fit.
 
-Sizes are a ladder of GPT-3-like shapes (head size 128, vocabulary 50304, block 1024) from 1.3B parameters up;
-a rung is tried only when it is predicted to fit D (default: 0.8 of the GPU, the strategy's default) plus H
-(default: 0.8 of the RAM), so that no run can take the machine's host memory down:
+Sizes are GPT-3-like shapes (head size 128, vocabulary 50304, block 1024) from 1.3B parameters up. A rung is
+tried only when it is predicted to fit, so that no time goes to sizes the planner already rules out:
 
     activations  A = n_layer * 34 * b * T * n_embd + 10 * b * T * vocab      (bf16, no recomputation)
-    patrickstar:  lightning_pstar.planning.plan_capacity(device_memory = D - A, host_memory = H).fits
-    fsdp-offload: 16 P <= H  and  A + 4 U <= D   (U: parameters of the largest FSDP unit, bf16 params + grads)
+    patrickstar(-offload): lightning_pstar.planning.plan_capacity(device_memory = D - A, host_memory = H).fits
+    fsdp-offload:      16 P <= H  and  A + 4 U <= D   (U: parameters of the largest FSDP unit)
+    deepspeed-offload: 18 P <= H  and  A + 4 U <= D
+    baseline:          16 P + A + 4 U <= D
 
-Every run is a fresh process (``--worker``), so a run that fails (out of memory) leaves nothing behind. The
-order serves a fixed time budget (``--time-budget``, default 420 s; no run starts after it and a running one is
-killed 30 s past it): first the smallest rung of each strategy, then each strategy's ladder from the top down
-until one run trains (the largest it trains), then the rungs in between while time is left.
+Every run is a fresh process (``--worker``). The order serves a fixed time budget (``--time-budget``, default
+420 s; no run starts after it, a running one is killed 30 s past it): each strategy's smallest rung, then its
+ladder from the top down until a run trains (the largest it trains), then the rungs in between.
 
-Per run: the median step time over ``--steps`` measured steps after ``--warmup`` untimed ones, tokens/s,
-``TFLOPS = 6 * P * tokens / step time`` (the demo GPT recomputes nothing, so nothing is added; attention's own
-FLOPs are left out, as in the usual 6 P estimate), MFU against ``--peak-tflops`` (default: from the GPU's
-name, 989 for H100/H200, 312 for A100), peak CUDA memory, peak RSS and, for PatrickStar, bytes moved between
-the tiers per step. ``--tiny`` runs the same path on the CPU with a tiny model (n_layer 2, n_embd 64, 1 + 2
-steps) and a 1 GiB simulated device, so that the script cannot rot on machines without a GPU.
+Per run, after ``--warmup`` untimed steps: the median step time over ``--steps`` steps; tokens/s; MFU =
+(6 P + 12 n_layer n_embd T) * tokens / step time against ``--peak-tflops`` (default from the GPU's name: 989
+bf16 dense for H100/H200); the peak device bytes (``torch.cuda.max_memory_allocated`` and ``_reserved``, the
+same counters for every strategy: all allocate through torch's caching allocator); the host RSS peak; the
+pinned bytes torch's host allocator held at its peak (``torch.cuda.host_memory_stats``); and the bytes moved
+between host and device in one more step, profiled with ``torch.profiler`` (the ``gpu_memcpy`` events of its
+trace, the same for every strategy; on the CPU of ``--tiny``, PatrickStar's own counters). ``--tiny`` runs
+every path it can on the CPU with a tiny model (1 + ``--steps`` steps).
 """
 
 from __future__ import annotations
@@ -48,8 +56,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from typing_extensions import override
 
 from lightning_pstar import PatrickStarStrategy
@@ -58,10 +64,15 @@ from lightning_pstar.demos import GPT, GPTConfig, GPTLightningModule, StdlibChar
 from lightning_pstar.demos.timing import StepTimer
 from lightning_pstar.planning import plan_capacity
 
-STRATEGIES = ("patrickstar", "fsdp-offload")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its sibling module
+from gpu_peers import DeepSpeedGPTModule, FSDPGPTModule, FSDPStrategy  # noqa: E402
+
+STRATEGIES = ("patrickstar", "patrickstar-offload", "fsdp-offload", "deepspeed-offload", "baseline")
 LADDER = ((24, 2048), (32, 2560), (36, 3072), (32, 4096), (36, 4608), (40, 5120), (40, 5632), (44, 6144), (48, 7168))
 """(n_layer, n_embd) from 1.3B to 30B parameters; n_head = n_embd / 128."""
-TINY_LADDER = ((2, 64),)
+TINY_LADDER = ((2, 128),)
+OFFLOAD_RATIO = 3
+"""patrickstar-offload: model data / device budget (the issue's 2-4x)."""
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 """Dense bf16 peak per GPU model (SXM parts)."""
 GRACE_S = 30.0
@@ -84,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-memory", default=None, help="host budget H (default: 0.8 of the RAM)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: from the GPU's name)")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds after which no run starts (default: 420)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled step that measures bytes moved")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -121,7 +133,7 @@ class Run:
     strategy: str
     n_layer: int
     n_embd: int
-    device_memory: int  # D, bytes
+    device_memory: int | None  # the strategy's device budget, bytes (None: its default)
     host_memory: int  # H, bytes
 
     def config(self, args: argparse.Namespace) -> GPTConfig:
@@ -137,106 +149,141 @@ def activation_bytes(cfg: GPTConfig, batch: int) -> int:
     return cfg.n_layer * 34 * tokens * cfg.n_embd + 10 * tokens * cfg.vocab_size
 
 
-def predicted_fit(run: Run, args: argparse.Namespace) -> tuple[bool, str]:
-    """Whether the rung should fit D + H under the run's strategy, and why not."""
+def flops_per_token(cfg: GPTConfig) -> int:
+    """Training FLOPs per token: 6 P for the weights plus 12 n_layer n_embd T for attention (PaLM, appendix B)."""
+    return 6 * gpt_num_params(cfg) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def deepspeed_missing() -> str | None:
+    """Why Lightning's deepspeed_stage_3_offload cannot run here, or None when ``import deepspeed`` works."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any failure to import is the reason reported
+        return (
+            f"deepspeed is not importable here ({type(err).__name__}: {err}); this script installs nothing:"
+            " `pip install deepspeed` (its CPU Adam op builds against the CUDA toolkit) makes the rows run"
+        )
+    return None
+
+
+def _plan(cfg: GPTConfig, device: int, host: int) -> Any:
+    return plan_capacity(
+        lambda: GPT(cfg), device_memory=device, host_memory=host, precision="bf16-mixed", search_largest=False
+    )
+
+
+def offload_budget(cfg: GPTConfig, run: Run, args: argparse.Namespace) -> tuple[int, float]:
+    """patrickstar-offload's device budget and the model data / budget ratio it gives: a third of the model data,
+    or activations plus the one module's chunks plus as much again where that is more."""
+    ref = _plan(cfg, 1 << 62, run.host_memory)
+    budget = max(
+        ref.model_data_bytes_per_rank // OFFLOAD_RATIO,
+        activation_bytes(cfg, args.batch_size) + 2 * ref.min_device_bytes,
+    )
+    return budget, ref.model_data_bytes_per_rank / budget
+
+
+def predicted_fit(run: Run, args: argparse.Namespace, device: int) -> tuple[bool, str]:
+    """Whether the rung should fit under the run's strategy (``device``: the GPU's budget D), and why not."""
     cfg = run.config(args)
     act = activation_bytes(cfg, args.batch_size)
-    if run.strategy == "fsdp-offload":
-        block = gpt_num_params(replace(cfg, n_layer=2)) - gpt_num_params(replace(cfg, n_layer=1))
-        unit = max(block, gpt_num_params(cfg) - cfg.n_layer * block)
-        if 16 * gpt_num_params(cfg) > run.host_memory:
-            return False, "host: 16 P > H"
-        return act + 4 * unit <= run.device_memory, "device: A + 4 U > D"
-    if act >= run.device_memory:
+    params = gpt_num_params(cfg)
+    block = gpt_num_params(replace(cfg, n_layer=2)) - gpt_num_params(replace(cfg, n_layer=1))
+    unit = max(block, params - cfg.n_layer * block)
+    if run.strategy in ("fsdp-offload", "deepspeed-offload"):
+        if run.strategy == "deepspeed-offload" and (missing := deepspeed_missing()):
+            return False, missing
+        host_bytes = (16 if run.strategy == "fsdp-offload" else 18) * params
+        if host_bytes > run.host_memory:
+            return False, f"host: {host_bytes // params} P > H"
+        return act + 4 * unit <= device, "device: A + 4 U > D"
+    if run.strategy == "baseline":
+        return 16 * params + act + 4 * unit <= device, "device: 16 P + A + 4 U > D"
+    budget = device if run.device_memory is None else run.device_memory
+    if act >= budget:
         return False, "device: A >= D"
-    plan = plan_capacity(
-        lambda: GPT(cfg), device_memory=run.device_memory - act, host_memory=run.host_memory,
-        precision="bf16-mixed", search_largest=False,
-    )  # fmt: skip
+    if run.strategy == "patrickstar-offload":
+        _, ratio = offload_budget(cfg, run, args)
+        if not 2 <= ratio <= 4:
+            return False, f"no budget forces offload here: model data is {ratio:.1f}x the smallest budget"
+    plan = _plan(cfg, budget - act, run.host_memory)
     return plan.fits, "; ".join(plan.reasons)
 
 
 # ---- worker: one run ------------------------------------------------------------------------------------
-class TransferTimer(StepTimer):
-    """:class:`StepTimer` plus PatrickStar's transfer counters after the last warm-up batch and the last batch."""
+class MeasureCallback(StepTimer):
+    """:class:`StepTimer` plus, after the timed steps, one profiled step that counts the bytes copied between
+    host and device (CUDA), and PatrickStar's own transfer counters around the timed steps."""
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, timed: int, profile: bool) -> None:
         super().__init__()
         self.warmup = warmup
+        self.timed = timed
+        self.profile = profile and torch.cuda.is_available()
         self.transfers: list[int] = []
+        self.profiled_bytes: int | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, i)
+        if self.profile and len(self.times) == self.warmup + self.timed:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._profiler.__enter__()
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
+        if self._profiler is not None:
+            torch.cuda.synchronize()
+            self._profiler.__exit__(None, None, None)
+            self.profiled_bytes = memcpy_bytes(self._profiler)
+            self._profiler = None
         super().on_train_batch_end(trainer, pl_module, outputs, batch, i)
-        if isinstance(trainer.strategy, PatrickStarStrategy) and len(self.times) in (self.warmup, trainer.max_steps):
+        if isinstance(trainer.strategy, PatrickStarStrategy) and len(self.times) in (
+            self.warmup,
+            self.warmup + self.timed,
+        ):
             report = trainer.strategy.memory_report()
             self.transfers.append(report.h2d_bytes + report.d2h_bytes)
 
 
-class FSDPOffloadGPTModule(GPTLightningModule):
-    """The demo GPT under FSDP2 with CPU offload: built on the meta device, sharded per block and at the root,
-    materialised into host-resident shards."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs, meta_init=True)  # the GPT is built in configure_model, never in __init__
-
-    @override
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        mesh = self.device_mesh
-        assert mesh is not None, "ModelParallelStrategy sets the device mesh before configure_model"
-        with torch.device("meta"):
-            model = GPT(self.gpt_config)
-        device = self.trainer.strategy.root_device
-        options: dict[str, Any] = {
-            "mesh": mesh["data_parallel"],
-            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-            "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda"),
-        }
-        for block in model.h:
-            fully_shard(block, **options)
-        fully_shard(model, **options)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for module in model.modules():
-                if next(module.parameters(recurse=False), None) is not None:
-                    module.reset_parameters()  # type: ignore[operator]
-        self.model = model
+def memcpy_bytes(prof: torch.profiler.profile) -> int | None:
+    """Bytes of the host<->device copies in a profile (the ``gpu_memcpy`` events of its chrome trace)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "DtoD" not in e.get("name", "")]
+    return sum(int(e.get("args", {}).get("bytes", 0)) for e in copies) if copies else None
 
 
-class FSDPOffloadStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` (pure data parallel) that leaves the offloaded shards on the host."""
-
-    def __init__(self) -> None:
-        super().__init__(data_parallel_size=1, tensor_parallel_size=1)
-
-    @override
-    def model_to_device(self) -> None:
-        pass  # CPUOffloadPolicy: shards live on the host; FSDP copies each unit to the device for compute
+def _strategy_and_module(run: Run, sizes: dict[str, Any], total: int) -> tuple[Any, GPTLightningModule]:
+    if run.strategy.startswith("patrickstar"):
+        module = GPTLightningModule(**sizes, warmup_steps=total, fused=True, meta_init=True)
+        return PatrickStarStrategy(device_memory_limit=run.device_memory, host_memory_limit=run.host_memory), module
+    if run.strategy == "deepspeed-offload":
+        return "deepspeed_stage_3_offload", DeepSpeedGPTModule(**sizes, warmup_steps=total)
+    offload = run.strategy == "fsdp-offload"
+    return FSDPStrategy(offload=offload), FSDPGPTModule(offload=offload, **sizes, warmup_steps=total, fused=True)
 
 
 def run_worker(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``run`` in this process and return its measurements."""
     L.seed_everything(1234, verbose=False)
     cfg = run.config(args)
-    total = args.warmup + args.steps
+    profile = not args.no_profile and not args.tiny
+    total = args.warmup + args.steps + (1 if profile else 0)
     datamodule = StdlibCharDataModule(
         block_size=args.block_size,
         batch_size=args.batch_size,
         max_chars=max(100_000, 2 * total * args.batch_size * (args.block_size + 1)),
         val_fraction=0.05,
     )
-    sizes = {k: getattr(cfg, k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
-    if run.strategy == "patrickstar":
-        module: GPTLightningModule = GPTLightningModule(**sizes, warmup_steps=total, fused=True, meta_init=True)
-        strategy: Any = PatrickStarStrategy(device_memory_limit=run.device_memory, host_memory_limit=run.host_memory)
-    else:
-        module = FSDPOffloadGPTModule(**sizes, warmup_steps=total, fused=True)
-        strategy = FSDPOffloadStrategy()
-    timer = TransferTimer(args.warmup)
+    sizes: dict[str, Any] = {k: getattr(cfg, k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
+    strategy, module = _strategy_and_module(run, sizes, total)
+    timer = MeasureCallback(args.warmup, args.steps, profile)
     trainer = L.Trainer(
         accelerator="cpu" if args.tiny else "auto",
         devices=1,
@@ -253,19 +300,27 @@ def run_worker(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         callbacks=[timer],
     )
     trainer.fit(module, datamodule=datamodule)
-    step = statistics.median(timer.times[args.warmup :])
-    params = gpt_num_params(cfg)
+    step = statistics.median(timer.times[args.warmup : args.warmup + args.steps])
     tokens = args.batch_size * args.block_size
+    cuda = torch.cuda.is_available() and not args.tiny
     result: dict[str, Any] = {
         "step_time_s": step,
         "tokens_per_s": tokens / step,
-        "tflops": 6 * params * tokens / step / 1e12,
+        "tflops": flops_per_token(cfg) * tokens / step / 1e12,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-        "peak_cuda_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
-        "moved_bytes_per_step": None,
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "peak_cuda_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+        "pinned_bytes": torch.cuda.host_memory_stats().get("allocated_bytes.peak") if cuda else None,
+        "moved_bytes_per_step": timer.profiled_bytes,
+        "device_memory_limit": run.device_memory,
     }
     if isinstance(trainer.strategy, PatrickStarStrategy):
-        result["moved_bytes_per_step"] = (timer.transfers[-1] - timer.transfers[0]) // args.steps
+        counted = (timer.transfers[-1] - timer.transfers[0]) // args.steps
+        result["counted_moved_bytes_per_step"] = counted  # the engine's own counters, CPU and GPU alike
+        if result["moved_bytes_per_step"] is None:
+            result["moved_bytes_per_step"] = counted
+        if not cuda:
+            result["pinned_bytes"] = trainer.strategy.memory_report().pinned_bytes
     return result
 
 
@@ -329,8 +384,12 @@ def run_ladders(args: argparse.Namespace, raw: list[str]) -> list[dict[str, Any]
     for strategy in args.strategy_list:
         ladders[strategy] = []
         for n_layer, n_embd in args.ladder:
-            run = Run(strategy=strategy, n_layer=n_layer, n_embd=n_embd, device_memory=device, host_memory=host)
-            fit, why = predicted_fit(run, args)
+            run = Run(strategy=strategy, n_layer=n_layer, n_embd=n_embd, device_memory=None, host_memory=host)
+            if strategy == "patrickstar" and (args.device_memory is not None or not args.tiny):
+                run = replace(run, device_memory=device)  # D: the strategy's default unless --device-memory
+            if strategy == "patrickstar-offload":
+                run = replace(run, device_memory=offload_budget(run.config(args), run, args)[0])
+            fit, why = predicted_fit(run, args, device)
             entries[(strategy, n_layer, n_embd)] = {"run": run, "predicted_fit": fit, "why_not": "" if fit else why}
             if fit:
                 ladders[strategy].append(run)
@@ -364,6 +423,8 @@ def _row(entry: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         result = entry["result"]
     elif entry["predicted_fit"]:
         result = {"error": "skipped: time budget spent"}
+    elif entry["why_not"].startswith("deepspeed is not importable"):
+        result = {"error": f"not run: {entry['why_not']}"}
     else:
         result = {"error": f"not tried: predicted not to fit ({entry['why_not']})"}
     peak = peak_tflops(args)
@@ -376,10 +437,14 @@ def _row(entry: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "predicted_fit": entry["predicted_fit"],
         "why_not": entry["why_not"],
         "trained": "error" not in result,
-        **{k: None for k in ("step_time_s", "tokens_per_s", "tflops", "mfu", "peak_rss_bytes", "peak_cuda_bytes")},
-        "moved_bytes_per_step": None,
+        "device_memory_limit": run.device_memory,
+        **dict.fromkeys(("step_time_s", "tokens_per_s", "tflops", "mfu", "peak_rss_bytes", "peak_cuda_bytes")),
+        **dict.fromkeys(("peak_cuda_reserved_bytes", "pinned_bytes", "moved_bytes_per_step")),
+        "model_data_over_budget": None,
         "error": result.get("error"),
     }
+    if run.strategy == "patrickstar-offload":
+        row["model_data_over_budget"] = round(offload_budget(cfg, run, args)[1], 2)
     row.update({k: v for k, v in result.items() if k != "error"})
     if row["tflops"] is not None and peak:
         row["mfu"] = row["tflops"] / peak
@@ -399,8 +464,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, An
     where = "CPU (tiny)" if args.tiny or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     print(f"\n{where}: D {gib(device)}, H {gib(host)}, micro-batch {args.batch_size} x"
           f" {args.block_size}, bf16-mixed, {args.warmup} warm-up + {args.steps} measured steps")  # fmt: skip
-    head = f"{'strategy':<13} {'n_layer':>7} {'n_embd':>6} {'params':>15} {'step':>9} {'tok/s':>8} {'TFLOPS':>7}"
-    head += f" {'MFU':>6} {'CUDA peak':>10} {'RSS peak':>10} {'moved/step':>11}  status"
+    head = f"{'strategy':<19} {'n_layer':>7} {'n_embd':>6} {'params':>15} {'step':>9} {'tok/s':>8} {'TFLOPS':>7}"
+    head += f" {'MFU':>6} {'CUDA peak':>10} {'RSS peak':>10} {'pinned':>10} {'moved/step':>11}  status"
     print(head + "\n" + "-" * len(head))
 
     for r in rows:
@@ -409,8 +474,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, An
         tok = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] is not None else "-"
         tfl = f"{r['tflops']:.2f}" if r["tflops"] is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        print(f"{r['strategy']:<13} {r['n_layer']:>7} {r['n_embd']:>6} {r['params']:>15,} {step:>9} {tok:>8}"
+        print(f"{r['strategy']:<19} {r['n_layer']:>7} {r['n_embd']:>6} {r['params']:>15,} {step:>9} {tok:>8}"
               f" {tfl:>7} {mfu:>6} {gib(r['peak_cuda_bytes']):>10} {gib(r['peak_rss_bytes']):>10}"
+              f" {gib(r['pinned_bytes']):>10}"
               f" {gib(r['moved_bytes_per_step']):>11}  {status}")  # fmt: skip
     largest = {}
     for strategy in args.strategy_list:
@@ -418,7 +484,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, An
         best = max(trained, key=lambda r: r["params"]) if trained else None
         largest[strategy] = None if best is None else {k: best[k] for k in ("n_layer", "n_embd", "params")}
         print(f"largest trained with {strategy}: " + (f"{best['params']:,} parameters" if best else "none"))
+    missing = deepspeed_missing() if "deepspeed-offload" in args.strategy_list else None
+    if missing:
+        print(f"deepspeed-offload: not run: {missing}")
     return {
+        "deepspeed": missing or "available",
         "device": where,
         "device_memory": device,
         "host_memory": host,
@@ -442,7 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=2))
         print(f"results written to {args.json}")
-    return 0 if all(v is not None for v in document["largest"].values()) else 1
+    # every strategy that some rung was predicted to fit trained one (deepspeed may be absent: its rows say so)
+    runnable = {r["strategy"] for r in rows if r["predicted_fit"]}
+    return 0 if all(document["largest"][s] is not None for s in runnable) else 1
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class MemoryReport:
     reduced_bytes: int = 0  # sent to reduce-scatters of gradients
     group_gathers: int = 0  # all-gathers of chunk groups started (prefetches included)
     group_prefetches: int = 0  # ... of which started ahead of use, overlapping the current group's compute
+    pinned_bytes: int = 0  # pinned host memory torch's host allocator holds for chunk buffers (runtime/pinned.py)
 
     @property
     def padded_bytes_per_param(self) -> float:

@@ -60,6 +60,7 @@ from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import MicroBatch
+from lightning_pstar.runtime.tracer import out_of_memory_as_error
 from lightning_pstar.setup_checks import (
     explain_optimizer_setup_error,
     parameter_free_metrics,
@@ -336,12 +337,13 @@ class PatrickStarStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._require_manager()
         assert self._hooks is not None
-        with self._hooks.saved_tensors():
+        with self._hooks.saved_tensors(), out_of_memory_as_error(self._manager):
             return super().training_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with out_of_memory_as_error(self._manager):  # the closure runs the backward
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._manager is not None:
             module = self.lightning_module
             if len(self.optimizers) == 1 and module is not None and module.automatic_optimization:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.pinned import host_arena
 
 if TYPE_CHECKING:
     from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
@@ -215,12 +216,30 @@ def load_owned_tensors(
 
 # ---- teardown -----------------------------------------------------------------------------------------------
 def restore_module(manager: ChunkManager, device: torch.device) -> None:
-    """Give every parameter an ordinary tensor of its original dtype on ``device`` and free the chunks."""
+    """Give every parameter an ordinary tensor of its original dtype on ``device`` and free the chunks.
+
+    Family by family (a collective per family when there are several ranks, in the same order on every rank):
+    a family's weights are copied out and its chunks freed before the next family is read, so the host never
+    holds the chunks and a full copy of the model at once (issue 12: at most one family's copy beside the
+    chunks still held). The idle pinned blocks the chunks leave are given back at the end.
+    """
     with torch.no_grad():
-        values = _all_values(manager)
-        for record in manager.records:
-            value = values[record.index].detach().to(device=device, dtype=record.orig_dtype, copy=True)
-            record.param.data = value
-    for family in manager.families:
-        for chunk in family.chunks.values():
-            chunk.release()
+        for family in manager.families:
+            if family.records:
+                flat = _family_for_restore(manager, family)
+                for record in family.records:
+                    value = flat[record.slot.offset : record.slot.offset + record.slot.numel]
+                    value = value.view(record.slot.shape).to(device=device, dtype=record.orig_dtype, copy=True)
+                    record.param.data = value
+                del flat
+            for chunk in family.chunks.values():
+                chunk.release()
+    host_arena().release()
+
+
+def _family_for_restore(manager: ChunkManager, family: ChunkFamily) -> torch.Tensor:
+    """The fp32 truth of ``family`` for the hand-back, checking on one rank that no slot holds a gradient."""
+    if not manager.sharding.distributed:
+        for record in family.records:
+            master_view(record)  # raises if a slot holds a gradient instead of a weight
+    return family_values(manager, family)

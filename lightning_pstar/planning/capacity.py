@@ -299,7 +299,12 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         named, chunk_elements=settings.chunk_elements, device_budget=device, compute_itemsize=bpe.param, world_size=ws
     )
     embeddings = host_embedding_bytes(host, optimizer=bpe.optimizer)
-    tiers = tier_need(layout, bpe, world_size=ws, device_budget=device, host_embedding_bytes=embeddings)
+    # offloaded model data starts its optimizer side (fp32 masters, grads, states) on the host, as the engine's
+    # placement policies do; model data that fits the device budget keeps it there
+    offloaded = tier_need(layout, bpe, world_size=ws, device_budget=None).per_rank > device
+    tiers = tier_need(
+        layout, bpe, world_size=ws, device_budget=device, host_embedding_bytes=embeddings, optimizer_on_host=offloaded
+    )
     index = {id(p): i for i, (p, _) in enumerate(named)}
     need, where = min_device_bytes(module, layout, index, itemsize=bpe.param, world_size=ws)
     every = [(p, names[0]) for p, names in named] + [(p, name) for name, p in host.items()]

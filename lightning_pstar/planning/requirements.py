@@ -26,9 +26,11 @@ __all__ = [
     "check_budgets",
     "chunk_layout",
     "collect_parameters",
+    "friendly_chunk_elements",
     "host_embeddings",
     "min_device_bytes",
     "module_parameters",
+    "step_temporary_bytes",
     "tier_need",
 ]
 
@@ -161,16 +163,40 @@ def chunk_layout(
     device_budget: int | None,
     compute_itemsize: int,
     world_size: int,
+    allocator_friendly: bool = False,
 ) -> Layout:
     """The chunk layout of the parameters :func:`collect_parameters` returned, each under its first name,
     trainable and frozen ones in separate families. ``chunk_elements=None`` ("auto") searches the chunk size
-    that suits ``device_budget`` (None: unlimited)."""
+    that suits ``device_budget`` (None: unlimited).
+
+    ``allocator_friendly`` (CUDA, where host buffers are pinned): "auto" takes the power-of-two chunk size next to
+    the searched one (below when every parameter still fits whole, or above) that wastes fewer bytes, so every
+    chunk kind's bytes are a power of two and torch's host allocator pins no byte more than the chunk
+    ([Note: pinned memory] in ``runtime/pinned.py``). An explicit ``chunk_elements`` is kept as given.
+    """
     specs = [ParamSpec(name=names[0], numel=p.numel(), trainable=p.requires_grad) for p, names in named]
     if chunk_elements is None:
-        return search_chunk_size(
+        layout = search_chunk_size(
             specs, device_budget_bytes=device_budget, compute_itemsize=compute_itemsize, world_size=world_size
         )
+        if not allocator_friendly:
+            return layout
+        sizes = {friendly_chunk_elements(layout.chunk_size, specs), 1 << max(0, layout.chunk_size - 1).bit_length()}
+        if device_budget is not None:  # two chunk groups must still fit the budget, as the search required
+            fit = {n for n in sizes if 2 * world_size * n * compute_itemsize <= device_budget}
+            sizes = fit or {min(sizes)}
+        candidates = [plan_layout(specs, size, world_size=world_size) for size in sorted(sizes)]
+        return min(candidates, key=lambda c: c.capacity_elements)  # the fewest bytes; the smaller size on a tie
     return plan_layout(specs, chunk_elements, world_size=world_size)
+
+
+def friendly_chunk_elements(chunk_size: int, specs: Sequence[ParamSpec]) -> int:
+    """The power of two nearest ``chunk_size`` from below that still holds the largest parameter whole (so no
+    parameter gets a chunk of its own, odd, size), else the one above."""
+    up = 1 << max(0, chunk_size - 1).bit_length()
+    down = up if up == chunk_size else up // 2
+    largest = max((s.numel for s in specs), default=1)
+    return down if down >= largest else up
 
 
 def min_device_bytes(
@@ -210,16 +236,20 @@ def min_device_bytes(
 
 @dataclass(frozen=True, kw_only=True)
 class TierNeed:
-    """Model data of the rank that owns the most, and how it splits between the tiers."""
+    """Model data of the rank whose host need is largest, and how it splits between the tiers."""
 
     per_rank: int
     """Chunk bytes of every family the rank owns (chunk ``i`` is owned by rank ``i % world_size``)."""
     frozen_master: int
     """Of which fp32 copies of frozen weights, which never go to the device."""
     device: int
-    """What the device budget can take: everything but the frozen copies, up to the budget."""
+    """What the device budget can take: everything but what starts on the host, up to the budget."""
     host: int
     """The rest, plus host-resident embeddings (``cpu_embedding``)."""
+    optimizer_side: int = 0
+    """Of ``per_rank``: fp32 masters, fp32 grads and optimizer states of trainable families."""
+    optimizer_on_host: bool = False
+    """The optimizer side starts on the host (counted in ``host`` whatever the device budget)."""
 
 
 def tier_need(
@@ -229,25 +259,49 @@ def tier_need(
     world_size: int,
     device_budget: int | None,
     host_embedding_bytes: int = 0,
+    optimizer_on_host: bool = False,
 ) -> TierNeed:
     """Where the model data of the fullest rank goes when the device keeps as much as its budget allows
-    (``device_budget=None``: unlimited)."""
+    (``device_budget=None``: unlimited).
+
+    ``optimizer_on_host``: the fp32 masters, grads and optimizer states start on the host (the placement
+    policy's ``optimizer_tier`` at setup: ``auto`` with a device budget, ``static`` when model data exceeds the
+    chunks' share); they then count against the host budget in full, before anything is allocated, and only
+    param chunks share the device budget. The fullest rank is the one whose host need is largest.
+    """
     owned = [0] * world_size
     frozen = [0] * world_size
+    side = [0] * world_size
+    side_bpe = bpe.master + bpe.grad + bpe.optimizer
     for chunk in layout.chunks:
         rank = owner_of(chunk.chunk_id, world_size)
         owned[rank] += chunk.capacity * (bpe.trainable if chunk.trainable else bpe.frozen)
-        if not chunk.trainable:
+        if chunk.trainable:
+            side[rank] += chunk.capacity * side_bpe
+        else:
             frozen[rank] += chunk.capacity * bpe.frozen_master
-    per_rank, frozen_master = max(owned), max(frozen)
-    movable = per_rank - frozen_master
-    device = movable if device_budget is None else min(movable, device_budget)
+    needs = []
+    for rank in range(world_size):
+        on_host = frozen[rank] + (side[rank] if optimizer_on_host else 0)
+        movable = owned[rank] - on_host
+        device = movable if device_budget is None else min(movable, device_budget)
+        needs.append((on_host + movable - device, owned[rank], rank, device))
+    host, per_rank, rank, device = max(needs)
     return TierNeed(
-        per_rank=per_rank,
-        frozen_master=frozen_master,
+        per_rank=max(owned),
+        frozen_master=frozen[rank],
         device=device,
-        host=host_embedding_bytes + frozen_master + movable - device,
+        host=host_embedding_bytes + host,
+        optimizer_side=side[rank],
+        optimizer_on_host=optimizer_on_host,
     )
+
+
+def step_temporary_bytes(capacity: int, *, mixed: bool) -> int:
+    """Device bytes the optimizer step of one family allocates beside its chunks when it runs on the device: in
+    mixed precision the fp32 copy of the family's compute-dtype gradients (``optim/grads.py``), live until the
+    family's update is done (families step one at a time); 32-true steps on views of its fp32 grad chunk."""
+    return 4 * capacity if mixed else 0
 
 
 def host_embedding_bytes(params: Mapping[str, nn.Parameter], *, optimizer: int) -> int:
@@ -287,11 +341,18 @@ def check_budgets(
             " room activations leave at each moment."
         )
     if tiers.host > host_budget:
+        start = ""
+        if tiers.optimizer_on_host:
+            start = (
+                f" The fp32 masters/grads and optimizer states ({format_bytes(tiers.optimizer_side, exact=True)})"
+                " start on the host whatever the device budget (placement 'auto' with a device budget moves"
+                " the families that fit onto the device only after the warm-up)."
+            )
         raise MemoryBudgetError(
             f"model data does not fit: this rank needs {format_bytes(tiers.per_rank, exact=True)} of chunks"
             " (params, fp32 masters/grads and optimizer states); the device can take"
             f" {format_bytes(tiers.device, exact=True)} (device budget {format_bytes(device_budget, exact=True)}),"
             f" which leaves {format_bytes(tiers.host, exact=True)} for the host, but host_memory_limit is"
-            f" {format_bytes(host_budget, exact=True)}. HINT: raise host_memory_limit or device_memory_limit, or"
-            " train on more ranks."
+            f" {format_bytes(host_budget, exact=True)}.{start} HINT: raise host_memory_limit or"
+            " device_memory_limit, or train on more ranks."
         )

@@ -50,6 +50,7 @@ from enum import Enum
 
 import torch
 
+from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.state import ALLOWED_TRANSITIONS, ChunkState, TensorState, Tier, check_transition
 
 __all__ = ["Chunk", "ChunkKind", "Slot", "TransferStats"]
@@ -282,10 +283,10 @@ class Chunk:
     def _storage_for(self, tier: Tier, *, allocate: bool) -> torch.Tensor:
         if tier is Tier.DEVICE:
             buf = self._device_buffer
-        else:
+        else:  # pinned on CUDA, accounted as held: [Note: pinned memory] in pinned.py
             if self._host_buffer is None:
-                self._host_buffer = _unbacked(self.capacity, self.dtype, torch.device("cpu"), pin=self._pin_host)
-            buf = self._host_buffer
+                self._host_buffer = host_arena().unbacked(self.capacity, self.dtype, pin=self._pin_host)
+            return host_arena().back(self._host_buffer, self.capacity) if allocate else self._host_buffer
         return _backed(buf, self.capacity) if allocate else buf
 
     def __repr__(self) -> str:

@@ -171,6 +171,7 @@ class ChunkManager:
             device_budget=device_budget,
             compute_itemsize=self.compute_dtype.itemsize,
             world_size=self.world_size,
+            allocator_friendly=self.device.type == "cuda",  # pinned host buffers: [Note: pinned memory]
         )
 
     def bytes_per_element(self, optimizer: int = _ADAM_STATE_BYTES) -> BytesPerElement:
@@ -196,12 +197,14 @@ class ChunkManager:
     def _check_budgets(self, device_budget: int | None, host_budget: int, policy: PlacementPolicy) -> None:
         need, where = self.min_device_bytes()
         bpe = self.bytes_per_element()
+        start = policy.optimizer_tier(model_data_bytes=self._model_data_bytes(), device_budget=device_budget)
         tiers = tier_need(
             self.layout,
             bpe,
             world_size=self.world_size,
             device_budget=device_budget,
             host_embedding_bytes=host_embedding_bytes(self.host_params, optimizer=bpe.optimizer),
+            optimizer_on_host=start is Tier.HOST,
         )
         check_budgets(
             need=need,

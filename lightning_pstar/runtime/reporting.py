@@ -10,6 +10,7 @@ from lightning_pstar.planning.layout import Layout
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.family import ParamTable
+from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding
 from lightning_pstar.runtime.state import Tier
@@ -81,4 +82,5 @@ def build_report(
         moment_non_model_bytes=[m.non_model_bytes for m in trace.moments],
         moment_device_chunk_bytes=[moment_chunk_bytes.get(i, 0) for i in range(len(trace.moments))],
         moment_labels=[_label(m.kind, m.key, names) for m in trace.moments],
+        pinned_bytes=host_arena().held_bytes,
     )

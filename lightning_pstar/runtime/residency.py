@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.planning.requirements import MemoryBudgetError, step_temporary_bytes
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.placement import PlacementPolicy
 from lightning_pstar.runtime.state import Tier
 
@@ -162,8 +163,9 @@ class Residency:
             self.stats.evictions += 1
 
     def check_host_room(self, nbytes: int) -> None:
-        used = self.stats.per_tier_bytes[Tier.HOST]
-        if used + nbytes > self.host_budget:
+        arena = host_arena()  # pinned blocks are held as torch's host allocator holds them: [Note: pinned memory]
+        used = self.stats.per_tier_bytes[Tier.HOST] + arena.extra_bytes()
+        if used + arena.added_bytes(nbytes) > self.host_budget:
             raise MemoryBudgetError(
                 f"host budget exceeded: {format_bytes(used, exact=True)} in use, {format_bytes(nbytes, exact=True)}"
                 f" more needed, budget {format_bytes(self.host_budget, exact=True)}. HINT: raise host_memory_limit."
@@ -209,7 +211,13 @@ class Residency:
         """Keep whole optimizer-state families on the device as far as the margin at the step allows."""
         assert self.device_budget is not None
         params = sum(f.param_chunk.nbytes for f in self.families)
-        margin = self.device_budget - peak_non_model - params
+        # CUDA: the device-side step's fp32 gradient copy of one family at a time is budgeted too (issue 12; the
+        # simulated device measures saved tensors only, no temporaries)
+        on_cuda = [f for f in self.families if f.trainable and self.device.type == "cuda"]
+        temporary = max(
+            (step_temporary_bytes(f.capacity, mixed=ChunkKind.MASTER in f.chunks) for f in on_cuda), default=0
+        )
+        margin = self.device_budget - peak_non_model - params - temporary
         moved = 0
         for family in self.families:
             if not family.trainable:

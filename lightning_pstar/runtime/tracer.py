@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Moment", "MomentKind", "MemoryTracer", "Trace"]
+from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.report import format_bytes
+
+__all__ = ["CudaAllocatorStats", "Moment", "MomentKind", "MemoryTracer", "Trace", "out_of_memory_as_error"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,47 @@ class _SavedToken:
         self._release(self._nbytes)
 
 
+class CudaAllocatorStats:
+    """The CUDA caching allocator's counters the tracer reads (a seam: the CPU tests pass a fake).
+
+    [Note: peak counter]
+    The tracer measures the non-model peak of each moment with ``max_memory_allocated`` and resets the peak
+    counter at every moment of the warm-up. Resetting would corrupt a user's own peak measurement (a
+    ``torch.cuda.max_memory_allocated()`` around ``trainer.fit``), so the tracer keeps the highest value the
+    counter ever reached (before the first reset and at every moment) and, once the warm-up ends, raises the
+    counter back to it (:meth:`restore_peak`): one allocation of the missing bytes, freed at once. Blocks of
+    the caching allocator are rounded to 512 bytes (and a large block may be handed out whole), so the
+    restored peak is the true one or above it by less than one block; if the allocation fails the counter
+    stays lower and a debug message says so.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def restore_peak(self, target: int) -> None:
+        """Raise the peak counter to ``target`` if it is lower (see [Note: peak counter])."""
+        missing = target - max(self.peak(), self.allocated())
+        if missing <= 0:
+            return
+        try:
+            self._allocate_and_free(missing)
+        except torch.OutOfMemoryError:
+            log.debug("PatrickStar: the CUDA peak counter could not be restored to %d bytes", target)
+
+    def _allocate_and_free(self, nbytes: int) -> None:
+        block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        del block
+
+
 class MemoryTracer:
     """Records the warm-up trace; afterwards, follows the iteration along it."""
 
@@ -100,9 +146,13 @@ class MemoryTracer:
         device: torch.device,
         chunk_bytes_on_device: Callable[[], int],
         chunk_storage_ptrs: Callable[[], set[int]] = set,
+        allocator: CudaAllocatorStats | None = None,
     ) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
+        self.cuda = device.type == "cuda" or allocator is not None
+        self.allocator = allocator if allocator is not None or not self.cuda else CudaAllocatorStats(device)
+        self._open_chunk_bytes = 0  # chunk bytes on the device when the peak counter was last reset
+        self._true_peak = 0  # the highest the allocator's peak counter reached (see [Note: peak counter])
         self._chunk_bytes = chunk_bytes_on_device
         self._chunk_storage_ptrs = chunk_storage_ptrs
         self.trace = Trace()
@@ -137,22 +187,41 @@ class MemoryTracer:
         self._peak = max(self._peak, self._live)
         return _SavedToken(nbytes, self._release)
 
-    def _non_model_now_and_reset(self) -> int:
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated(self.device) - self._chunk_bytes()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return max(0, peak)
+    def _non_model_now_and_reset(self, kind: MomentKind) -> int:
+        if self.allocator is not None:
+            return self._cuda_non_model_and_reset(kind)
         peak = self._peak
         self._peak = self._live
         return peak
+
+    def _cuda_non_model_and_reset(self, kind: MomentKind) -> int:
+        """The allocator's peak since the last reset minus the chunks on the device then.
+
+        Chunks come to the device during a forward or backward moment (the peak comes with them: the chunks
+        now are the ones to subtract), and leave it during the optimizer step (the peak comes before they
+        leave: the chunks resident at the reset are the ones to subtract, or the step would count them as
+        activations). The step's own device temporaries are budgeted apart (``step_temporary_bytes``).
+        """
+        allocator = self.allocator
+        assert allocator is not None
+        peak = allocator.peak()
+        self._true_peak = max(self._true_peak, peak)
+        chunks = self._chunk_bytes()
+        if kind is MomentKind.STEP:
+            chunks = max(chunks, self._open_chunk_bytes)
+        allocator.reset_peak()
+        self._open_chunk_bytes = self._chunk_bytes()
+        return max(0, peak - chunks)
 
     # ---- moments ------------------------------------------------------------------------------------------
     def start_recording(self) -> None:
         self.trace = Trace()
         self.recording = True
         self._pending = None
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.allocator is not None:
+            self._true_peak = max(self._true_peak, self.allocator.peak())  # the user's peak so far
+            self.allocator.reset_peak()
+            self._open_chunk_bytes = self._chunk_bytes()
         self._peak = self._live
 
     def moment(self, kind: MomentKind, key: int, families: Sequence[int]) -> None:
@@ -190,7 +259,7 @@ class MemoryTracer:
         if self._pending is None:
             return
         kind, key, families = self._pending
-        self.trace.moments.append(Moment(kind, key, families, self._non_model_now_and_reset()))
+        self.trace.moments.append(Moment(kind, key, families, self._non_model_now_and_reset(kind)))
         self._pending = None
 
     def stop_recording(self) -> None:
@@ -200,8 +269,70 @@ class MemoryTracer:
         self.warmed_up = True
         self.trace.finish()
         self.cursor = len(self.trace.moments) - 1  # the step: the next moment starts the next iteration
+        if self.allocator is not None:
+            self.allocator.restore_peak(self._true_peak)  # a user's own peak reading stays true
+
+    # ---- out of memory --------------------------------------------------------------------------------------
+    def moment_label(self) -> str:
+        """The moment the iteration is at now, in words (for errors)."""
+        if self.recording and self._pending is not None:
+            kind, key, _ = self._pending
+            where = "warm-up"
+        elif self.warmed_up and self.matches and 0 <= self.cursor < len(self.trace.moments):
+            moment = self.trace.moments[self.cursor]
+            kind, key, where = moment.kind, moment.key, f"moment {self.cursor} of the trace"
+        else:
+            return "outside the traced iteration"
+        what = "the optimizer step" if kind is MomentKind.STEP else f"{kind.value} of module #{key}"
+        return f"{what} ({where})"
+
+    @contextmanager
+    def out_of_memory_as_error(self, *, device_budget: int | None) -> Iterator[None]:
+        """Turn a CUDA out-of-memory error raised inside into a :class:`MemoryBudgetError` naming the moment, the
+        budget, what chunks and non-model memory held, and what to change (the allocator's message is kept as
+        the cause)."""
+        try:
+            yield
+        except torch.OutOfMemoryError as err:
+            raise self.out_of_memory_error(err, device_budget=device_budget) from err
+
+    def out_of_memory_error(self, err: BaseException, *, device_budget: int | None) -> MemoryBudgetError:
+        chunks = self._chunk_bytes()
+        measured = ""
+        if self.warmed_up and self.matches and 0 <= self.cursor < len(self.trace.moments):
+            measured = (
+                f"; the warm-up measured {format_bytes(self.trace.moments[self.cursor].non_model_bytes, exact=True)}"
+                " of non-model memory (activations) at this moment"
+            )
+        budget = (
+            "no device_memory_limit"
+            if device_budget is None
+            else f"device_memory_limit {format_bytes(device_budget, exact=True)}"
+        )
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return MemoryBudgetError(
+            f"CUDA ran out of memory during {self.moment_label()} under {budget}: chunks held"
+            f" {format_bytes(chunks, exact=True)} of the device{measured}. The allocator said: {first}"
+            " HINT: set device_memory_limit below the free device memory (other processes and the CUDA context"
+            " take their share), lower the batch size or chunk_size, or use activation checkpointing."
+        )
 
     def start_iteration(self) -> None:
         """A new micro-batch begins: the next forward moment is the trace's first."""
         if self.warmed_up and self.matches:
             self.cursor = -1
+
+
+class _Engine(Protocol):
+    """What :func:`out_of_memory_as_error` reads of a chunk manager (which imports this module)."""
+
+    tracer: MemoryTracer
+    residency: Any  # its ``device_budget``
+
+
+def out_of_memory_as_error(manager: _Engine | None) -> AbstractContextManager[None]:
+    """The strategy's guard around a training step and an optimizer step: a CUDA out-of-memory inside becomes a
+    :class:`MemoryBudgetError` naming the moment and the budget (no guard before setup)."""
+    if manager is None:
+        return nullcontext()
+    return manager.tracer.out_of_memory_as_error(device_budget=manager.residency.device_budget)

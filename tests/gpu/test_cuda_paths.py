@@ -76,7 +76,10 @@ def test_offloaded_run_on_cuda_equals_the_unconstrained_one() -> None:
     tight, trainer = _fit(PatrickStarStrategy(chunk_size=16384, device_memory_limit=budget))
     report = trainer.strategy.memory_report()  # type: ignore[attr-defined]
     assert report.h2d_bytes > 0 and report.d2h_bytes > 0
-    assert tight == free  # placement (and the asynchronous prefetch) never changes the arithmetic
+    # placement (and the asynchronous prefetch) never changes the arithmetic; families whose states stay on the
+    # host step with CPU-fused AdamW in the tight run and CUDA-fused in the free one: the two kernels agree to
+    # fp32 rounding, which bf16 weights may amplify by a rounding step (the bitwise promise holds per kernel)
+    torch.testing.assert_close(tight, free, rtol=1e-2, atol=1e-3)
 
 
 def test_host_buffers_are_pinned() -> None:

@@ -1,0 +1,73 @@
+"""The peers of benchmarks/gpu_check.py: the demo GPT under FSDP2 (with or without ``CPUOffloadPolicy``) and
+under DeepSpeed's ZeRO-3 offload (``DeepSpeedCPUAdam``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from typing_extensions import override
+
+from lightning_pstar.demos import GPT, GPTLightningModule
+from lightning_pstar.demos.module import param_groups
+
+__all__ = ["DeepSpeedGPTModule", "FSDPGPTModule", "FSDPStrategy"]
+
+
+class FSDPGPTModule(GPTLightningModule):
+    """The demo GPT under FSDP2, built on the meta device and sharded per block and at the root; with
+    ``offload`` its shards live on the host (``CPUOffloadPolicy``), else on the GPU (the baseline)."""
+
+    def __init__(self, *, offload: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs, meta_init=True)  # the GPT is built in configure_model, never in __init__
+        self.offload = offload
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        mesh = self.device_mesh
+        assert mesh is not None, "ModelParallelStrategy sets the device mesh before configure_model"
+        with torch.device("meta"):
+            model = GPT(self.gpt_config)
+        device = self.trainer.strategy.root_device
+        options: dict[str, Any] = {
+            "mesh": mesh["data_parallel"],
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        }
+        if self.offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        for block in model.h:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        model.to_empty(device="cpu" if self.offload else device)
+        with torch.no_grad():
+            for module in model.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    module.reset_parameters()  # type: ignore[operator]
+        self.model = model
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (pure data parallel); with ``offload`` it leaves the shards on the host."""
+
+    def __init__(self, *, offload: bool) -> None:
+        super().__init__(data_parallel_size=1, tensor_parallel_size=1)
+        self.offload = offload
+
+    @override
+    def model_to_device(self) -> None:
+        if not self.offload:
+            super().model_to_device()  # CPUOffloadPolicy: FSDP copies each unit to the device for compute
+
+
+class DeepSpeedGPTModule(GPTLightningModule):
+    """The demo GPT with DeepSpeed's CPU Adam, which ZeRO-Offload steps on the host."""
+
+    @override
+    def configure_optimizers(self) -> Any:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(param_groups(self.gpt, self.weight_decay), lr=self.lr, betas=self.betas)

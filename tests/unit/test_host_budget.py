@@ -1,0 +1,74 @@
+"""Issue 12, item 2: the host budget is enforced at setup for everything that starts on the host, with the
+capacity planner's arithmetic (:func:`~lightning_pstar.planning.requirements.tier_need`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pstar.config import PStarConfig
+from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.runtime.manager import ChunkManager
+
+CAP = 96  # elements per chunk: every linear layer below fills one chunk
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+
+def _manager(module: nn.Module, *, host: int, placement: str = "auto", device: int = 10**6) -> ChunkManager:
+    config = PStarConfig.from_flat(
+        chunk_size=CAP, placement=placement, device_memory_limit=device, host_memory_limit=host
+    )
+    return ChunkManager(module, config=config, compute_dtype=torch.bfloat16, device=torch.device("cpu"))
+
+
+def _side_bytes() -> int:
+    """fp32 master (4) + Adam's two states (8) per element of every trainable chunk: what starts on the host."""
+    return 3 * CAP * (4 + 8)
+
+
+def test_optimizer_states_on_host_are_refused_at_setup_naming_host_memory_limit() -> None:
+    """placement='auto' with a device budget starts the fp32 masters and Adam states on the host, even though
+    the whole model would fit the device: a host budget one byte short of them is refused by the constructor,
+    which allocates nothing (the model's weights are untouched, no chunk exists)."""
+    model = _mlp()
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    side = _side_bytes()
+    with pytest.raises(MemoryBudgetError, match="host_memory_limit") as info:
+        _manager(model, host=side - 1)
+    message = str(info.value)
+    assert f"leaves {side:,} bytes" in message
+    assert f"optimizer states ({side:,} bytes" in message and "start on the host" in message
+    assert f"host_memory_limit is {side - 1:,} bytes" in message and "HINT" in message
+    for name, param in model.named_parameters():
+        ptr, value = before[name]
+        assert param.data_ptr() == ptr and torch.equal(param.detach(), value)
+    # exactly the side's bytes are accepted, and materialising then holds them on the host within the budget
+    manager = _manager(model, host=side)
+    manager.materialise()
+    manager.add_optimizer_chunks(["exp_avg", "exp_avg_sq"])  # type: ignore[list-item]
+    assert manager.memory_report().host_chunk_bytes == side
+
+
+def test_static_placement_keeps_the_optimizer_side_on_the_device_when_all_fits() -> None:
+    """The same host budget is enough under 'static' when all model data fits the device: the engine's check
+    follows the policy's own choice of tier, not a fixed rule."""
+    manager = _manager(_mlp(), host=1, placement="static")
+    assert manager.optimizer_tier.value == "device"
+
+
+def test_a_model_that_fits_neither_tier_names_both() -> None:
+    """Device budget of one module's chunks and a small host: the error gives the per-rank need, what the device
+    takes and what is left for the host, with both budgets."""
+    with pytest.raises(MemoryBudgetError) as info:
+        _manager(_mlp(), host=1000, device=2 * CAP)
+    message = str(info.value)
+    total = 3 * CAP * (2 + 4 + 8)
+    assert f"needs {total:,} bytes" in message
+    # bf16 param chunks of 2 * CAP bytes each: the device budget takes one of them, the host the rest
+    assert f"device can take {2 * CAP:,} bytes" in message and f"leaves {total - 2 * CAP:,} bytes" in message
+    assert "host_memory_limit is 1,000 bytes" in message
