@@ -60,6 +60,10 @@ class PlacementPolicy(Protocol):
         """Chunk families worth fetching now for the next moment (empty when unknown)."""
         ...
 
+    def adopt_plan(self, keep: dict[int, frozenset[int]]) -> None:
+        """After the warm-up: per trace moment, the families the yardstick's plan keeps on the device."""
+        ...
+
 
 def _lru(candidates: Sequence[Chunk], needed_bytes: int, last_use: dict[int, int]) -> list[Chunk]:
     movable = [c for c in candidates if c.state is ChunkState.HOLD and c.kind is ChunkKind.PARAM]
@@ -114,6 +118,9 @@ class StaticPlacement:
     def prefetch(self) -> tuple[int, ...]:
         return ()
 
+    def adopt_plan(self, keep: dict[int, frozenset[int]]) -> None:
+        return None  # a fixed share and LRU: no plan
+
 
 class AutoPlacement:
     """PatrickStar's trace-driven placement (see the module docstring)."""
@@ -124,6 +131,7 @@ class AutoPlacement:
         self.tracer = tracer
         self.warmup_fraction = warmup_fraction
         self._last_use: dict[int, int] = {}
+        self._keep: dict[int, frozenset[int]] = {}  # trace moment -> families the plan keeps on the device
 
     @property
     def _planning(self) -> bool:
@@ -158,11 +166,23 @@ class AutoPlacement:
     def victims(self, candidates: Sequence[Chunk], needed_bytes: int) -> list[Chunk]:
         if not self._planning:
             return _lru(candidates, needed_bytes, self._last_use)
-        trace, cursor = self.tracer.trace, self.tracer.cursor
+        trace, cursor = self.tracer.trace, max(self.tracer.cursor, 0)
+        keep = self._keep.get(cursor, frozenset())
         movable = [c for c in candidates if c.state is ChunkState.HOLD and c.kind is ChunkKind.PARAM]
-        # Belady: farthest next use first; ties by chunk id (deterministic on every rank)
-        movable.sort(key=lambda c: (-trace.next_use(c.chunk_id, max(cursor, 0)), c.chunk_id))
+        # the plan's drops first, then Belady: farthest next use first, a clean chunk (its eviction copies
+        # nothing) before a dirty one at the same distance; last ties by chunk id (deterministic on every rank)
+        movable.sort(
+            key=lambda c: (
+                c.chunk_id in keep,
+                -trace.next_use(c.chunk_id, cursor),
+                not c.host_copy_current,
+                c.chunk_id,
+            )
+        )
         return _take(movable, needed_bytes)
+
+    def adopt_plan(self, keep: dict[int, frozenset[int]]) -> None:
+        self._keep = dict(keep)
 
     def prefetch(self) -> tuple[int, ...]:
         if not self._planning:
