@@ -24,7 +24,8 @@ ones of the same *chain* (gaps until the next write) are clean. So a chain of ga
 point's room respected is a knapsack over intervals (the unsplittable flow problem on a cycle, NP-hard with
 chunks of different sizes), so the optimum is bracketed:
 
-- **lower bound**: Lagrangian relaxation of the room constraints. For prices ``lam[t] >= 0`` every schedule's
+- **lower bound**: Lagrangian relaxation of the room constraints (after ruling out the gaps whose chunk alone
+  exceeds the room left at a point they span). For prices ``lam[t] >= 0`` every schedule's
   savings are at most ``sum(lam[t] * room_left[t]) + sum over chains of the best savings at those prices``
   (each chain's inner problem is solved exactly), so ``cost_of_dropping_everything - that`` bounds every
   schedule's cost from below, whatever the prices; subgradient steps tighten it. Costs are sums of chunk
@@ -196,51 +197,106 @@ def _range_sums(values: Sequence[float], gaps: Sequence[Gap]) -> list[float]:
     return sums
 
 
+def _cardinality(gaps: Sequence[Gap], left: Sequence[int], sizes: Sequence[int]) -> dict[int, list[int]]:
+    """Per size ``z`` and point: how many of the choosable gaps of at least ``z`` bytes spanning the point can
+    stay there at once (smallest first); the integer rounding the byte constraint alone loses."""
+    n = len(left)
+    spanning: list[list[int]] = [[] for _ in range(n)]
+    for g in gaps:
+        if g.choosable:
+            for t in g.span:
+                spanning[t].append(g.size)
+    limits: dict[int, list[int]] = {}
+    for z in sizes:
+        row = []
+        for t in range(n):
+            fit, used = 0, 0
+            for size in sorted(x for x in spanning[t] if x >= z):
+                if used + size > left[t]:
+                    break
+                used += size
+                fit += 1
+            row.append(fit)
+        limits[z] = row
+    return limits
+
+
 def _lower_bound(problem: PlacementProblem, gaps: Sequence[Gap], target: float) -> int:
-    """The Lagrangian bound of [Note: the yardstick]; ``target`` is the savings of a known plan (Polyak steps)."""
+    """The Lagrangian bound of [Note: the yardstick]; ``target`` is the savings of a known plan (Polyak steps).
+
+    Dualised per point: the bytes the kept gaps take (``lam``), and for each gap size ``z`` the count of kept
+    gaps of at least ``z`` bytes (``mu[z]``, see :func:`_cardinality`). Bytes are scaled to the largest chunk so
+    the two kinds of price are steered by one step."""
     points = problem.points
     n = len(points)
     chains = _chains(problem, gaps)
-    left = [p.room - sum(problem.sizes[f] for f in p.need) for p in points]
+    scale = max(problem.sizes.values())
+    left_bytes = [p.room - sum(problem.sizes[f] for f in p.need) for p in points]
+    left = [x / scale for x in left_bytes]
+    zs = sorted({g.size for g in gaps if g.choosable})
+    limits = _cardinality(gaps, left_bytes, zs)
     drop_all = _forced(gaps, points) + sum(sum(gaps[i].fetch for i in c.gaps) + c.dirty for c in chains)
     lam = [0.0] * n
+    mu = {z: [0.0] * n for z in zs}
     best_dual = math.inf
     for it in range(_ITERATIONS):
-        price = [g.size * x for g, x in zip(gaps, _range_sums(lam, gaps), strict=True)]
-        dual = sum(lam[t] * left[t] for t in range(n))
-        delta = [0] * (n + 1)  # difference array of the kept gaps' bytes per point
+        lam_sums = _range_sums(lam, gaps)
+        mu_sums = {z: _range_sums(mu[z], gaps) for z in zs}
+        price = [
+            scale * (g.size / scale * lam_sums[i] + sum(mu_sums[z][i] for z in zs if z <= g.size))
+            for i, g in enumerate(gaps)
+        ]
+        dual = scale * (
+            sum(lam[t] * left[t] for t in range(n)) + sum(mu[z][t] * limits[z][t] for z in zs for t in range(n))
+        )
+        kept_all: list[int] = []
         for chain in chains:
             value, kept = _chain_best(chain, gaps, price)
             dual += value
-            for i in kept:
-                g = gaps[i]
-                first = (g.start + 1) % n
-                last = first + len(g.span)
-                delta[first] += g.size
-                if last <= n:
-                    delta[last] -= g.size
-                else:
-                    delta[n] -= g.size
-                    delta[0] += g.size
-                    delta[last - n] -= g.size
+            kept_all.extend(kept)
         best_dual = min(best_dual, dual)
         if best_dual - target < 0.5:
             break
-        load, running = [], 0
-        for t in range(n):
-            running += delta[t]
-            load.append(running)
-        grad = [left[t] - load[t] for t in range(n)]
-        norm = sum(g * g for g in grad)
+        load = _per_point(n, [(gaps[i], gaps[i].size / scale) for i in kept_all])
+        grad_lam = [left[t] - load[t] for t in range(n)]
+        grad_mu = {
+            z: [
+                limits[z][t] - c
+                for t, c in enumerate(_per_point(n, [(gaps[i], 1.0) for i in kept_all if gaps[i].size >= z]))
+            ]
+            for z in zs
+        }
+        norm = sum(x * x for x in grad_lam) + sum(x * x for row in grad_mu.values() for x in row)
         if norm == 0:
             break
-        step = 1.5 * (dual - target) / norm / (1 + it / 50)  # Polyak step towards the known plan's savings
-        lam = [max(0.0, lam[t] - step * grad[t]) for t in range(n)]
+        step = 1.5 * (dual - target) / scale / norm / (1 + it / 50)  # Polyak step towards the known savings
+        lam = [max(0.0, lam[t] - step * grad_lam[t]) for t in range(n)]
+        mu = {z: [max(0.0, mu[z][t] - step * grad_mu[z][t]) for t in range(n)] for z in zs}
     unit = 0
     for size in problem.sizes.values():
         unit = math.gcd(unit, size)
     bound = drop_all - best_dual - 1e-6 * max(1.0, drop_all)  # float slack, never in the bound's favour
     return max(0, math.ceil(bound / unit) * unit) if unit else 0
+
+
+def _per_point(n: int, weighted: Sequence[tuple[Gap, float]]) -> list[float]:
+    """Per point, the sum of the weights of the gaps spanning it (a difference array over cyclic ranges)."""
+    delta = [0.0] * (n + 1)
+    for g, w in weighted:
+        first = (g.start + 1) % n
+        last = first + len(g.span)
+        delta[first] += w
+        if last <= n:
+            delta[last] -= w
+        else:
+            delta[n] -= w
+            delta[0] += w
+            delta[last - n] -= w
+    out, running = [], 0.0
+    for t in range(n):
+        running += delta[t]
+        out.append(running)
+    return out
 
 
 def _simulate(problem: PlacementProblem, gaps: Sequence[Gap], keep: Sequence[bool]) -> int:
@@ -272,41 +328,63 @@ def _simulate(problem: PlacementProblem, gaps: Sequence[Gap], keep: Sequence[boo
     return total
 
 
-def _upper_plan(problem: PlacementProblem, gaps: Sequence[Gap]) -> list[bool]:
+def _drop_cost(gap: Gap, points: Sequence[Point]) -> int:
+    """What dropping ``gap`` costs if it is the first drop after a write (a guess for the greedy plan)."""
+    return gap.fetch + (gap.size if gap.family in points[gap.start].writes else 0)
+
+
+def _repair(problem: PlacementProblem, gaps: Sequence[Gap], keep: list[bool], rule: int) -> list[bool]:
+    """Drop kept gaps over the fullest point until every point fits, then put back what still fits.
+
+    ``rule`` picks the victim over the fullest point: 0, the most overflow relieved per byte the drop costs;
+    1, the cheapest drop; 2, the largest chunk (the three greedy plans the upper bound tries)."""
     points = problem.points
-    keep = [g.choosable for g in gaps]
-    load = [sum(problem.sizes[f] for f in p.need) for p in points]
+    keep = [k and g.choosable for k, g in zip(keep, gaps, strict=True)]
+    over = [sum(problem.sizes[f] for f in p.need) - p.room for p in points]
     for i, g in enumerate(gaps):
         if keep[i]:
             for t in g.span:
-                load[t] += g.size
-    over = [load[t] - points[t].room for t in range(len(points))]
+                over[t] += g.size
+
+    def merit(i: int) -> tuple[float, int]:
+        g = gaps[i]
+        cost = max(1, _drop_cost(g, points))
+        if rule == 1:
+            return (-cost, -i)
+        if rule == 2:
+            return (g.size, -i)
+        relief = sum(min(g.size, over[t]) for t in g.span if over[t] > 0)
+        return (relief / cost, -i)
+
     while True:
         worst = max(range(len(points)), key=lambda t: over[t])
         if over[worst] <= 0:
             break
-        # drop the kept gap over the worst point that relieves the most overflow per byte it will cost
         options = [i for i, g in enumerate(gaps) if keep[i] and worst in g.span]
         assert options, "a point over its room with nothing to drop: the trace does not fit"
-
-        def merit(i: int) -> tuple[float, int]:
-            g = gaps[i]
-            relief = sum(min(g.size, over[t]) for t in g.span if over[t] > 0)
-            cost = g.fetch + (g.size if g.family in points[g.start].writes else 0)
-            return (relief / max(1, cost), -i)
-
         victim = max(options, key=merit)
         keep[victim] = False
         for t in gaps[victim].span:
             over[t] -= gaps[victim].size
-    # put back what still fits, largest saving first
-    for i in sorted(range(len(gaps)), key=lambda i: -gaps[i].fetch):
+    for i in sorted(range(len(gaps)), key=lambda i: -_drop_cost(gaps[i], points)):
         g = gaps[i]
         if g.choosable and not keep[i] and all(over[t] + g.size <= 0 for t in g.span):
             keep[i] = True
             for t in g.span:
                 over[t] += g.size
     return keep
+
+
+def _upper_plan(problem: PlacementProblem, gaps: Sequence[Gap]) -> tuple[list[bool], int]:
+    """The cheapest of the greedy plans (see :func:`_repair`) and what it moves."""
+    best: tuple[list[bool], int] | None = None
+    for rule in range(3):
+        keep = _repair(problem, gaps, [True] * len(gaps), rule)
+        cost = _simulate(problem, gaps, keep)
+        if best is None or cost < best[1]:
+            best = (keep, cost)
+    assert best is not None
+    return best
 
 
 def solve(problem: PlacementProblem) -> Bounds | None:
@@ -317,8 +395,11 @@ def solve(problem: PlacementProblem) -> Bounds | None:
     if any(sum(problem.sizes[f] for f in p.need) > p.room for p in points):
         return None
     gaps = _gaps(problem)
-    keep = _upper_plan(problem, gaps)
-    upper = _simulate(problem, gaps, keep)
+    left = [p.room - sum(problem.sizes[f] for f in p.need) for p in points]
+    for gap in gaps:  # a chunk larger than the room some point of its gap leaves can never stay
+        if gap.choosable and any(gap.size > left[t] for t in gap.span):
+            gap.choosable = False
+    keep, upper = _upper_plan(problem, gaps)
     chains = _chains(problem, gaps)
     drop_all = _forced(gaps, points) + sum(sum(gaps[i].fetch for i in c.gaps) + c.dirty for c in chains)
     lower = min(upper, _lower_bound(problem, gaps, max(0.0, drop_all - upper)))
