@@ -258,14 +258,14 @@ def _lower_bound(problem: PlacementProblem, gaps: Sequence[Gap], target: float) 
         if best_dual - target < 0.5:
             break
         load = _per_point(n, [(gaps[i], gaps[i].size / scale) for i in kept_all])
-        grad_lam = [left[t] - load[t] for t in range(n)]
-        grad_mu = {
-            z: [
-                limits[z][t] - c
-                for t, c in enumerate(_per_point(n, [(gaps[i], 1.0) for i in kept_all if gaps[i].size >= z]))
+        # projected: a price at 0 that would fall further stays there and does not steer the step
+        grad_lam = [0.0 if lam[t] == 0 and left[t] > load[t] else left[t] - load[t] for t in range(n)]
+        grad_mu = {}
+        for z in zs:
+            count = _per_point(n, [(gaps[i], 1.0) for i in kept_all if gaps[i].size >= z])
+            grad_mu[z] = [
+                0.0 if mu[z][t] == 0 and limits[z][t] > count[t] else limits[z][t] - count[t] for t in range(n)
             ]
-            for z in zs
-        }
         norm = sum(x * x for x in grad_lam) + sum(x * x for row in grad_mu.values() for x in row)
         if norm == 0:
             break

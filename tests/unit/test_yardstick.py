@@ -108,3 +108,22 @@ def test_clean_chunks_cost_only_their_fetch() -> None:
 def test_a_point_whose_own_chunks_exceed_its_room_has_no_schedule() -> None:
     problem = PlacementProblem(points=(Point(label="fwd", need=frozenset({0}), room=8),), sizes={0: 16})
     assert solve(problem) is None
+
+
+def test_a_deep_model_short_of_room_at_the_peak_is_solved_exactly() -> None:
+    # 20 one-chunk modules, 32-true (backward writes nothing), every step on the host. Activations peak between
+    # forward and backward, where the room holds 12 chunks beside the one computing: 7 fwd->bwd gaps must be
+    # dropped, each a clean eviction plus a fetch (16 bytes); the host steps add one fetch per family
+    n, size = 20, 16
+    forward = [
+        Point(label=f"fwd{i}", need=frozenset({i}), room=(i + 1) * size if i < 13 else 13 * size) for i in range(n)
+    ]
+    backward = [
+        Point(label=f"bwd{i}", need=frozenset({i}), room=(i + 1) * size if i < 13 else 13 * size)
+        for i in reversed(range(n))
+    ]
+    steps = [Point(label=f"step{i}", need=frozenset(), out=frozenset({i}), room=n * size) for i in range(n)]
+    problem = PlacementProblem(points=tuple(forward + backward + steps), sizes=dict.fromkeys(range(n), size))
+    bounds = solve(problem)
+    assert bounds is not None
+    assert bounds.lower == bounds.upper == n * size + 7 * size, bounds
