@@ -133,7 +133,7 @@ class Residency:
         if tier is Tier.HOST:
             if chunk.has_host_copy and self._params_written(family):
                 chunk.drop_host_copy()  # a weight was written in place through the parameter itself
-            self.check_host_room(0 if chunk.has_host_copy else chunk.nbytes)
+            self.check_host_room(0 if chunk.has_host_copy else chunk.nbytes, spare=chunk)
         keep = tier is Tier.DEVICE and self.clean_evictions and not self.step_open
         stream = self.copy_stream() if asynchronous or tier is Tier.HOST else None
         chunk.move_to(tier, stream=stream, keep_host_copy=keep)
@@ -174,9 +174,13 @@ class Residency:
             if chunk is not None:
                 chunk.drop_host_copy()
 
-    def _free_host_copies(self, nbytes: int) -> None:
-        """Drop host copies, stale ones first, until ``nbytes`` are free or none is left."""
-        held = [f.param_chunk for f in self.families if ChunkKind.PARAM in f.chunks and f.param_chunk.has_host_copy]
+    def _free_host_copies(self, nbytes: int, spare: Chunk | None) -> None:
+        """Drop host copies but ``spare``'s, stale ones first, until ``nbytes`` are free or none is left."""
+        held = [
+            f.param_chunk
+            for f in self.families
+            if ChunkKind.PARAM in f.chunks and f.param_chunk.has_host_copy and f.param_chunk is not spare
+        ]
         held.sort(key=lambda c: (c.host_copy_current, -c.chunk_id))
         freed = 0
         for chunk in held:
@@ -241,11 +245,12 @@ class Residency:
             self.move_param_chunk(self.families[victim.chunk_id], Tier.HOST)
             self.stats.evictions += 1
 
-    def check_host_room(self, nbytes: int) -> None:
-        """Raise unless ``nbytes`` more fit the host budget, after dropping host copies kept for clean evictions."""
+    def check_host_room(self, nbytes: int, *, spare: Chunk | None = None) -> None:
+        """Raise unless ``nbytes`` more fit the host budget, after dropping host copies kept for clean evictions
+        (but ``spare``'s: the chunk about to leave the device through its copy)."""
         used = self.stats.per_tier_bytes[Tier.HOST] + self.stats.host_copy_bytes
         if used + nbytes > self.host_budget and self.stats.host_copy_bytes:
-            self._free_host_copies(used + nbytes - self.host_budget)
+            self._free_host_copies(used + nbytes - self.host_budget, spare)
             used = self.stats.per_tier_bytes[Tier.HOST] + self.stats.host_copy_bytes
         if used + nbytes > self.host_budget:
             raise MemoryBudgetError(
