@@ -7,8 +7,10 @@ keeps the mechanism (copies, storage identity, accounting) in one place and lets
   before training; least recently used chunk evicted first.
 - :class:`AutoPlacement` (PatrickStar): during warm-up chunks use a small share of the device; afterwards
   the room for chunks at moment ``t`` is ``budget - non_model[t]`` from the warm-up trace, victims are
-  the chunks whose next use is farthest away (Belady), the next moment's chunks are prefetched, and
-  optimizer-state families that fit the margin at the optimizer step stay on the device.
+  first the chunks the yardstick's plan does not keep at ``t`` ([Note: the yardstick] in ``yardstick.py``),
+  then those whose next use is farthest away (Belady), a clean one (its eviction copies nothing) before a
+  dirty one at the same distance; the next moment's chunks are prefetched when both moments' room keeps
+  them, and optimizer-state families that fit the margin at the optimizer step stay on the device.
 """
 
 from __future__ import annotations
