@@ -63,12 +63,30 @@ class MemoryReport:
     group_gathers: int = 0  # all-gathers of chunk groups started (prefetches included)
     group_prefetches: int = 0  # ... of which started ahead of use, overlapping the current group's compute
     pinned_bytes: int = 0  # pinned host memory torch's host allocator holds for chunk buffers (runtime/pinned.py)
+    # placement's traffic against the yardstick ([Note: the yardstick] in runtime/yardstick.py); None: not known
+    # (no device budget, before the first iteration after the warm-up, several ranks or optimizer steps)
+    moved_bytes_per_iteration: int | None = None  # bytes chunk moves copied in the last iteration after warm-up
+    optimal_bytes_lower_bound: int | None = None  # no placement can move fewer bytes per iteration
+    optimal_bytes_upper_bound: int | None = None  # what a feasible plan moves (the one auto follows)
+    optimal_bytes_per_iteration: int | None = None  # the optimum, where the two bounds meet
+    clean_moves: int = 0  # moves off the device that copied nothing (the host copy was current)
+    clean_bytes: int = 0  # bytes those clean moves did not copy
+    dirty_moves: int = 0  # moves off the device that copied the bytes back
+    host_copy_bytes: int = 0  # host copies of device-resident chunks, kept for clean evictions
 
     @property
     def padded_bytes_per_param(self) -> float:
         """Model data per parameter element with chunk padding: every byte of chunk storage this rank holds
         (``model_data_bytes``) over the parameters. ``model_data_bytes_per_param`` counts only the slots."""
         return self.model_data_bytes / self.num_params if self.num_params else 0.0
+
+    def _optimum(self) -> str:
+        if self.optimal_bytes_per_iteration is not None:
+            return format_bytes(self.optimal_bytes_per_iteration)
+        if self.optimal_bytes_lower_bound is None or self.optimal_bytes_upper_bound is None:
+            return "unknown"
+        low, high = format_bytes(self.optimal_bytes_lower_bound), format_bytes(self.optimal_bytes_upper_bound)
+        return f"between {low} and {high}"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +116,10 @@ class MemoryReport:
             ("evictions (budget)", str(self.evictions)),
             ("moves off the device", str(self.moves_off_device)),
             ("prefetches", str(self.prefetches)),
+            ("clean / dirty moves off", f"{self.clean_moves} / {self.dirty_moves} ({fmt(self.clean_bytes)} uncopied)"),
+            ("host copies kept", fmt(self.host_copy_bytes)),
+            ("moved / iteration", fmt(self.moved_bytes_per_iteration)),
+            ("optimum / iteration", self._optimum()),
             ("placement", self.placement),
             ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),
             ("optimizer runs on", self.optimizer_tier),

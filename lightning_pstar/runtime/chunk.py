@@ -22,6 +22,19 @@ allocates a byte on the device, not even for an instant (``torch.empty(capacity,
 ``resize_(0)`` would take the block from the caching allocator and keep it reserved), and a chunk that
 starts on DEVICE pins nothing on the host.
 
+[Note: clean evictions]
+A fetch may keep the HOST bytes it copied from (``move_to(DEVICE, keep_host_copy=True)``): while nothing writes
+the chunk, that host copy is current, and evicting the chunk again only frees its device storage, with no copy
+(a *clean* eviction; a *dirty* one copies the bytes back first). The copy is current while the device buffer's
+version counter (bumped by every in-place write through a view of it: gradients stored in a slot, loads,
+``copy_``) is what it was when the copy was made, and while the residency has not dropped it: the residency
+also drops it when a parameter was written in place (its own version counter), when an optimizer step is
+about to write the chunk (fused optimizer kernels do not bump version counters), and when the host budget
+needs the bytes. A write that bypasses autograd's version counters (``param.data.mul_(...)``) is invisible
+to this test: such writes to a weight must not happen between its module's forward and the optimizer step
+(the engine's own writers all go through the counted paths or drop the copy themselves). The kept copy
+counts as host memory held (``TransferStats.host_copy_bytes``).
+
 [Note: streams]
 On CUDA, copies between tiers run on one side stream (the residency's copy stream), by PyTorch's rules for
 memory used across streams (``torch.cuda.Stream.wait_stream``, ``Tensor.record_stream``, ``torch.cuda.Event``):
@@ -99,6 +112,11 @@ class TransferStats:
     evictions: int = 0  # param chunks moved off the device because the budget needed their room
     moves_off_device: int = 0  # every chunk move from the device to the host, for any reason
     prefetches: int = 0
+    clean_moves: int = 0  # moves off the device that only freed the device storage (the host copy was current)
+    clean_bytes: int = 0  # ... and the bytes those moves did not copy
+    dirty_moves: int = 0  # moves off the device that copied the bytes back to the host
+    moved_bytes: int = 0  # bytes copied by chunk moves, both directions (what placement decides)
+    host_copy_bytes: int = 0  # host copies of device-resident chunks kept for clean evictions
     per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0})
     peak_device_bytes: int = 0
 
@@ -152,6 +170,11 @@ class Chunk:
         self._host_buffer = None
         self._tier = None
         self._pending: torch.cuda.Event | None = None  # an asynchronous copy in flight (see [Note: streams])
+        # [Note: clean evictions]: while on DEVICE, whether the HOST buffer still holds a copy, the device
+        # buffer's version when it was made, and (CUDA) the event of the fetch that read it
+        self._host_copy = False
+        self._host_copy_version = -1
+        self._host_read: torch.cuda.Event | None = None
 
     # ---- properties -------------------------------------------------------------------------------------
     @property
@@ -170,6 +193,17 @@ class Chunk:
         if any(s.state is TensorState.COMPUTE for s in self.slots):
             return ChunkState.COMPUTE
         return ChunkState.HOLD
+
+    @property
+    def has_host_copy(self) -> bool:
+        """Whether a HOST copy of the device-resident bytes is held (current or not: see :attr:`host_copy_current`)."""
+        return self._host_copy
+
+    @property
+    def host_copy_current(self) -> bool:
+        """Whether the held HOST copy still equals the device bytes as far as version counters tell
+        ([Note: clean evictions])."""
+        return self._host_copy and self._device_buffer._version == self._host_copy_version
 
     @property
     def host_buffer(self) -> torch.Tensor | None:
@@ -211,12 +245,14 @@ class Chunk:
         self._tier = tier
         self._stats.allocated(tier, self.nbytes)
 
-    def move_to(self, tier: Tier, *, stream: torch.cuda.Stream | None = None) -> None:
+    def move_to(self, tier: Tier, *, stream: torch.cuda.Stream | None = None, keep_host_copy: bool = False) -> None:
         """Copy the bytes to ``tier`` and free the source storage in place. A no-op if already there.
 
         With ``stream`` (CUDA) the copy runs asynchronously on that stream, by the rules of [Note: streams];
         :meth:`wait` (called by :attr:`data`) orders the reader after it. A fetch frees its host source there,
-        an eviction frees its device source at once (protected by ``record_stream``).
+        an eviction frees its device source at once (protected by ``record_stream``). A fetch with
+        ``keep_host_copy`` keeps its host source, and an eviction whose host copy is current copies nothing
+        ([Note: clean evictions]).
         """
         self.wait()
         if self._tier is tier:
@@ -225,21 +261,64 @@ class Chunk:
             raise RuntimeError(f"chunk {self.chunk_id} is released; allocate it before moving it")
         if self.state is ChunkState.COMPUTE:
             raise RuntimeError(f"chunk {self.chunk_id} is in use by a module (COMPUTE) and cannot move")
+        if tier is Tier.HOST and self.host_copy_current:
+            self._evict_clean()
+            return
+        if tier is Tier.HOST and self._host_copy:  # stale: the copy below overwrites the same host storage
+            self._host_copy = False
+            self._host_read = None
+            self._stats.host_copy_bytes -= self.nbytes
         source = self.buffer
         target = self._storage_for(tier, allocate=True)
+        keep = keep_host_copy and tier is Tier.DEVICE
         if stream is not None and (source.is_cuda or target.is_cuda):
             self._copy_on_stream(source, target, stream)
         else:
             target.copy_(source, non_blocking=False)
-            source.untyped_storage().resize_(0)
+            if not keep:
+                source.untyped_storage().resize_(0)
         self._stats.freed(self._tier, self.nbytes)
         self._stats.allocated(tier, self.nbytes)
+        self._stats.moved_bytes += self.nbytes
         if tier is Tier.DEVICE:
             self._stats.h2d_bytes += self.nbytes
+            if keep:
+                self._host_copy = True
+                self._host_copy_version = self._device_buffer._version  # after the copy's own bump
+                self._stats.host_copy_bytes += self.nbytes
         else:
             self._stats.d2h_bytes += self.nbytes
             self._stats.moves_off_device += 1
+            self._stats.dirty_moves += 1
         self._tier = tier
+
+    def _evict_clean(self) -> None:
+        """Leave the device without a copy: the held host copy is current ([Note: clean evictions])."""
+        if self._host_read is not None:
+            # a CPU reader of the host bytes comes next (a host optimizer step may write them): the fetch
+            # that read them asynchronously must be done
+            self._host_read.synchronize()
+            self._host_read = None
+        self._device_buffer.untyped_storage().resize_(0)  # blocks are stream-ordered: see [Note: streams]
+        self._host_copy = False
+        self._stats.host_copy_bytes -= self.nbytes
+        self._stats.freed(Tier.DEVICE, self.nbytes)
+        self._stats.allocated(Tier.HOST, self.nbytes)
+        self._stats.moves_off_device += 1
+        self._stats.clean_moves += 1
+        self._stats.clean_bytes += self.nbytes
+        self._tier = Tier.HOST
+
+    def drop_host_copy(self) -> None:
+        """Free the host copy of a device-resident chunk (stale, or its bytes are needed): a no-op without one."""
+        if not self._host_copy:
+            return
+        if self._host_read is not None:
+            self._host_read = None  # the host allocator's event guards a pinned block ([Note: streams], rule 4)
+        assert self._host_buffer is not None
+        self._host_buffer.untyped_storage().resize_(0)
+        self._host_copy = False
+        self._stats.host_copy_bytes -= self.nbytes
 
     def _copy_on_stream(self, source: torch.Tensor, target: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Rules 1-3 of [Note: streams]: wait for compute, copy, record the event; an eviction frees its
@@ -268,7 +347,10 @@ class Chunk:
         if self._tier is Tier.DEVICE:
             torch.cuda.current_stream(self._device).wait_event(pending)
             assert self._host_buffer is not None
-            self._host_buffer.untyped_storage().resize_(0)  # the host allocator's event guards the block
+            if self._host_copy:
+                self._host_read = pending  # kept for a clean eviction ([Note: clean evictions])
+            else:
+                self._host_buffer.untyped_storage().resize_(0)  # the host allocator's event guards the block
         else:
             pending.synchronize()
 
@@ -276,6 +358,7 @@ class Chunk:
         """Free the storage on every tier (the chunk's slots are no longer needed)."""
         if self._tier is None:
             return
+        self.drop_host_copy()
         self.data.untyped_storage().resize_(0)
         self._stats.freed(self._tier, self.nbytes)
         self._tier = None

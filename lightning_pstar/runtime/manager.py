@@ -244,6 +244,7 @@ class ChunkManager:
 
     def _weights_changed(self) -> None:
         self.weights_version += 1
+        self.residency.drop_host_copies()
 
     def fill_slot(self, record: ParamRecord, value: torch.Tensor) -> None:
         """Write a weight into the record's param slot and fp32 master (a load)."""
@@ -336,6 +337,8 @@ class ChunkManager:
         """A training micro-batch starts; the first one of the run starts the warm-up trace."""
         self.finish_backward()
         self.end_warmup_if_stepped()
+        self.residency.close_step()
+        self.residency.begin_batch(warmed_up=self.tracer.warmed_up)
         self.grads.carry_over(self.records)  # gradients no step consumed yet (manual accumulation)
         self.phase = Phase.TRAINING
         self.sharding.begin_pass()
@@ -401,6 +404,7 @@ class ChunkManager:
         ``module`` the index of the module whose forward needs them (ZeRO: its place in the sweep).
         """
         families = {r.family.family_id: r.family for r in records}
+        self.residency.close_step()  # a module runs: any optimizer step is over
         in_backward = self.phase is Phase.BACKWARD
         if moment is not None and moment[0] is MomentKind.BACKWARD:
             in_backward = True
@@ -464,6 +468,8 @@ class ChunkManager:
         self.finish_backward()
         if self.phase.training:
             self.end_warmup_if_stepped()
+            self.residency.begin_batch(warmed_up=self.tracer.warmed_up)
+        self.residency.close_step()
         self.phase = Phase.IDLE
 
     def begin_eval_pass(self) -> None:
@@ -485,7 +491,9 @@ class ChunkManager:
     # ---- the optimizer step and the end of the warm-up -------------------------------------------------
     def step_moment(self) -> None:
         """The optimizer step is a moment of its own (it accesses every trainable family)."""
+        self.residency.open_step(record=self.tracer.recording)
         if self.phase.training:
+            self.residency.note_step()
             fids = tuple(f.family_id for f in self.families if f.trainable)
             self.tracer.moment(MomentKind.STEP, 0, fids)
             if self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:

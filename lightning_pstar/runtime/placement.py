@@ -7,8 +7,10 @@ keeps the mechanism (copies, storage identity, accounting) in one place and lets
   before training; least recently used chunk evicted first.
 - :class:`AutoPlacement` (PatrickStar): during warm-up chunks use a small share of the device; afterwards
   the room for chunks at moment ``t`` is ``budget - non_model[t]`` from the warm-up trace, victims are
-  the chunks whose next use is farthest away (Belady), the next moment's chunks are prefetched, and
-  optimizer-state families that fit the margin at the optimizer step stay on the device.
+  first the chunks the yardstick's plan does not keep at ``t`` ([Note: the yardstick] in ``yardstick.py``),
+  then those whose next use is farthest away (Belady), a clean one (its eviction copies nothing) before a
+  dirty one at the same distance; the next moment's chunks are prefetched when both moments' room keeps
+  them, and optimizer-state families that fit the margin at the optimizer step stay on the device.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class PlacementPolicy(Protocol):
 
     def prefetch(self) -> tuple[int, ...]:
         """Chunk families worth fetching now for the next moment (empty when unknown)."""
+        ...
+
+    def adopt_plan(self, keep: dict[int, frozenset[int]]) -> None:
+        """After the warm-up: per trace moment, the families the yardstick's plan keeps on the device."""
         ...
 
 
@@ -114,6 +120,9 @@ class StaticPlacement:
     def prefetch(self) -> tuple[int, ...]:
         return ()
 
+    def adopt_plan(self, keep: dict[int, frozenset[int]]) -> None:
+        return None  # a fixed share and LRU: no plan
+
 
 class AutoPlacement:
     """PatrickStar's trace-driven placement (see the module docstring)."""
@@ -124,6 +133,7 @@ class AutoPlacement:
         self.tracer = tracer
         self.warmup_fraction = warmup_fraction
         self._last_use: dict[int, int] = {}
+        self._keep: dict[int, frozenset[int]] = {}  # trace moment -> families the plan keeps on the device
 
     @property
     def _planning(self) -> bool:
@@ -158,11 +168,23 @@ class AutoPlacement:
     def victims(self, candidates: Sequence[Chunk], needed_bytes: int) -> list[Chunk]:
         if not self._planning:
             return _lru(candidates, needed_bytes, self._last_use)
-        trace, cursor = self.tracer.trace, self.tracer.cursor
+        trace, cursor = self.tracer.trace, max(self.tracer.cursor, 0)
+        keep = self._keep.get(cursor, frozenset())
         movable = [c for c in candidates if c.state is ChunkState.HOLD and c.kind is ChunkKind.PARAM]
-        # Belady: farthest next use first; ties by chunk id (deterministic on every rank)
-        movable.sort(key=lambda c: (-trace.next_use(c.chunk_id, max(cursor, 0)), c.chunk_id))
+        # the plan's drops first, then Belady: farthest next use first, a clean chunk (its eviction copies
+        # nothing) before a dirty one at the same distance; last ties by chunk id (deterministic on every rank)
+        movable.sort(
+            key=lambda c: (
+                c.chunk_id in keep,
+                -trace.next_use(c.chunk_id, cursor),
+                not c.host_copy_current,
+                c.chunk_id,
+            )
+        )
         return _take(movable, needed_bytes)
+
+    def adopt_plan(self, keep: dict[int, frozenset[int]]) -> None:
+        self._keep = dict(keep)
 
     def prefetch(self) -> tuple[int, ...]:
         if not self._planning:

@@ -47,6 +47,7 @@ def build_report(
 ) -> MemoryReport:
     trace = tracer.trace
     stats = residency.stats
+    bounds = residency.bounds
     allocated = sum(c.nbytes for c in table.iter_chunks() if c.tier is not None)
     payload_bytes = 0
     for family in table.families:
@@ -83,4 +84,12 @@ def build_report(
         moment_device_chunk_bytes=[moment_chunk_bytes.get(i, 0) for i in range(len(trace.moments))],
         moment_labels=[_label(m.kind, m.key, names) for m in trace.moments],
         pinned_bytes=host_arena().held_bytes,
+        moved_bytes_per_iteration=residency.last_iteration_moved_bytes,
+        optimal_bytes_lower_bound=bounds.lower if bounds is not None else None,
+        optimal_bytes_upper_bound=bounds.upper if bounds is not None else None,
+        optimal_bytes_per_iteration=bounds.exact if bounds is not None else None,
+        clean_moves=stats.clean_moves,
+        clean_bytes=stats.clean_bytes,
+        dirty_moves=stats.dirty_moves,
+        host_copy_bytes=stats.host_copy_bytes,
     )

@@ -20,6 +20,7 @@ from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.placement import PlacementPolicy
 from lightning_pstar.runtime.state import Tier
+from lightning_pstar.runtime.yardstick import Bounds
 
 __all__ = ["Residency"]
 
@@ -55,6 +56,20 @@ class Residency:
         self._tick = 0
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches and evictions copy on it
         self.setup_peak_device_bytes = 0  # chunks plus materialisation temporaries, at their highest in setup
+        # [Note: clean evictions] in chunk.py: fetched param chunks keep their host bytes while the host budget
+        # allows, so that evicting them again copies nothing
+        self.clean_evictions = True
+        self.step_open = False  # an optimizer step runs: fetches keep no host copy (it writes the chunks)
+        self._param_versions: dict[int, tuple[int, ...]] = {}  # family -> its parameters' versions at fetch
+        # bytes copied by chunk moves: at the start of the current iteration, and in the last whole one
+        self._iteration_mark: int | None = None
+        self._stepped_since_mark = False
+        self.last_iteration_moved_bytes: int | None = None
+        self.iterations_measured = 0
+        # what the warm-up's optimizer step found (the yardstick's model of who writes what) and the yardstick
+        self.warmup_grad_in_slot: frozenset[int] = frozenset()  # families whose param slots held gradients
+        self.warmup_stepped: frozenset[int] = frozenset()  # families the step updated
+        self.bounds: Bounds | None = None
 
     # ---- chunks ------------------------------------------------------------------------------------------
     def new_chunk(self, family: ChunkFamily, kind: ChunkKind, dtype: torch.dtype) -> Chunk:
@@ -109,18 +124,88 @@ class Residency:
         """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.
 
         On CUDA a prefetch (``asynchronous``) and every eviction copy on the side stream, by the rules of
-        [Note: streams] in ``chunk.py``; the chunk orders its next reader after the copy.
+        [Note: streams] in ``chunk.py``; the chunk orders its next reader after the copy. A fetch keeps the
+        host bytes when it may, and an eviction whose host copy is still current copies nothing ([Note: clean
+        evictions] in ``chunk.py``).
         """
         chunk = family.param_chunk
         if chunk.tier is tier:
             return
         if tier is Tier.HOST:
-            self.check_host_room(chunk.nbytes)
+            if chunk.has_host_copy and self._params_written(family):
+                chunk.drop_host_copy()  # a weight was written in place through the parameter itself
+            self.check_host_room(0 if chunk.has_host_copy else chunk.nbytes, spare=chunk)
+        keep = tier is Tier.DEVICE and self.clean_evictions and not self.step_open
         stream = self.copy_stream() if asynchronous or tier is Tier.HOST else None
-        chunk.move_to(tier, stream=stream)
+        chunk.move_to(tier, stream=stream, keep_host_copy=keep)
         if self.repoint:
             for record in family.records:
                 self.point_at_chunk(record)
+        if chunk.has_host_copy:
+            self._param_versions[family.family_id] = tuple(r.param._version for r in family.records)
+
+    def _params_written(self, family: ChunkFamily) -> bool:
+        """Whether a parameter of ``family`` was written in place since its chunk was fetched."""
+        before = self._param_versions.get(family.family_id)
+        return before is None or before != tuple(r.param._version for r in family.records)
+
+    # ---- host copies ([Note: clean evictions] in chunk.py) -------------------------------------------------
+    def open_step(self, *, record: bool = False) -> None:
+        """An optimizer step begins: the chunks it writes on the device lose their host copies, and fetches
+        keep none until it ends (fused optimizer kernels do not bump version counters). ``record``: the
+        warm-up's step, whose gradients tell the yardstick which chunks backward and the step write."""
+        if record:
+            self.warmup_grad_in_slot = frozenset(
+                f.family_id for f in self.families if any(r.grad_in_param_slot for r in f.records)
+            )
+            self.warmup_stepped = frozenset(f.family_id for f in self.families if f.trainable and f.has_grads())
+        self.step_open = True
+        for family in self.families:
+            chunk = family.chunks.get(ChunkKind.PARAM)
+            if chunk is not None and family.trainable and self.optimizer_tier_of(family) is Tier.DEVICE:
+                chunk.drop_host_copy()
+
+    def close_step(self) -> None:
+        self.step_open = False
+
+    def drop_host_copies(self) -> None:
+        """Forget every host copy (weights were loaded or written outside the iteration's paths)."""
+        for family in self.families:
+            chunk = family.chunks.get(ChunkKind.PARAM)
+            if chunk is not None:
+                chunk.drop_host_copy()
+
+    def _free_host_copies(self, nbytes: int, spare: Chunk | None) -> None:
+        """Drop host copies but ``spare``'s, stale ones first, until ``nbytes`` are free or none is left."""
+        held = [
+            f.param_chunk
+            for f in self.families
+            if ChunkKind.PARAM in f.chunks and f.param_chunk.has_host_copy and f.param_chunk is not spare
+        ]
+        held.sort(key=lambda c: (c.host_copy_current, -c.chunk_id))
+        freed = 0
+        for chunk in held:
+            if freed >= nbytes:
+                return
+            chunk.drop_host_copy()
+            freed += chunk.nbytes
+
+    # ---- iterations --------------------------------------------------------------------------------------
+    def note_step(self) -> None:
+        self._stepped_since_mark = True
+
+    def begin_batch(self, *, warmed_up: bool) -> None:
+        """A training micro-batch starts (or training ends): an iteration closes after a step, once warmed up."""
+        if not warmed_up:
+            self._stepped_since_mark = False
+            return
+        if self._iteration_mark is None:
+            self._iteration_mark = self.stats.moved_bytes  # the first iteration after the warm-up starts
+        elif self._stepped_since_mark:
+            self.last_iteration_moved_bytes = self.stats.moved_bytes - self._iteration_mark
+            self._iteration_mark = self.stats.moved_bytes
+            self.iterations_measured += 1
+        self._stepped_since_mark = False
 
     def copy_stream(self) -> torch.cuda.Stream | None:
         """The side stream of every asynchronous copy (CUDA only; None on any other device)."""
@@ -158,14 +243,20 @@ class Residency:
                 " device_memory_limit or lower chunk_size."
             )
         for victim in victims:
-            self.check_host_room(victim.nbytes)
             self.move_param_chunk(self.families[victim.chunk_id], Tier.HOST)
             self.stats.evictions += 1
 
-    def check_host_room(self, nbytes: int) -> None:
-        arena = host_arena()  # pinned blocks are held as torch's host allocator holds them: [Note: pinned memory]
-        used = self.stats.per_tier_bytes[Tier.HOST] + arena.extra_bytes()
-        if used + arena.added_bytes(nbytes) > self.host_budget:
+    def check_host_room(self, nbytes: int, *, spare: Chunk | None = None) -> None:
+        """Raise unless ``nbytes`` more fit the host budget, after dropping host copies kept for clean evictions
+        (but ``spare``'s: the chunk about to leave the device through its copy). Pinned blocks count as torch's
+        host allocator holds them: [Note: pinned memory]."""
+        arena = host_arena()
+        need = arena.added_bytes(nbytes)
+        used = self.stats.per_tier_bytes[Tier.HOST] + self.stats.host_copy_bytes + arena.extra_bytes()
+        if used + need > self.host_budget and self.stats.host_copy_bytes:
+            self._free_host_copies(used + need - self.host_budget, spare)
+            used = self.stats.per_tier_bytes[Tier.HOST] + self.stats.host_copy_bytes + arena.extra_bytes()
+        if used + need > self.host_budget:
             raise MemoryBudgetError(
                 f"host budget exceeded: {format_bytes(used, exact=True)} in use, {format_bytes(nbytes, exact=True)}"
                 f" more needed, budget {format_bytes(self.host_budget, exact=True)}. HINT: raise host_memory_limit."

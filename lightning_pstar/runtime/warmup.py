@@ -6,7 +6,9 @@ the chunks it needs and the non-model memory measured then. Three decisions foll
   iteration could not run without the allocator failing somewhere later);
 - with several ranks, whether the next chunk group is gathered ahead of use (two more groups must fit at the
   warm-up's peak on every rank: one collective, see :mod:`~lightning_pstar.runtime.sharding`);
-- under ``auto`` placement, which optimizer-state families step on the device (the margin at the step).
+- under ``auto`` placement, which optimizer-state families step on the device (the margin at the step);
+- the yardstick ([Note: the yardstick] in :mod:`~lightning_pstar.runtime.yardstick`): the fewest bytes any
+  placement could move per iteration with this trace and budget, bracketed, and the plan auto follows.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from collections.abc import Sequence
 
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import format_bytes
+from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding
+from lightning_pstar.runtime.state import Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
+from lightning_pstar.runtime.yardstick import PlacementProblem, Point, solve
 
-__all__ = ["end_warmup"]
+__all__ = ["end_warmup", "placement_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +48,55 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
             fits = peak + 2 * sharding.group_bytes() <= budget
         enabled = sharding.plan_prefetch(fits)
         log.info("PatrickStar: chunk groups are %sgathered ahead of use", "" if enabled else "not ")
-    if budget is None or residency.policy.name != "auto":
+    if budget is None:
         return
-    _check_trace_fits(tracer, needs, budget)
-    residency.plan_hybrid_optimizer(tracer.trace.peak_non_model)
+    if residency.policy.name == "auto":
+        _check_trace_fits(tracer, needs, budget)
+        residency.plan_hybrid_optimizer(tracer.trace.peak_non_model)
+    problem = None if sharding.distributed else placement_problem(tracer, residency, budget)
+    residency.bounds = solve(problem) if problem is not None else None
+    if problem is not None and residency.bounds is not None:
+        plan = residency.bounds.keep
+        residency.policy.adopt_plan({t: plan[p] for t, p in problem.moment_point.items()})
+    log.info("PatrickStar: the yardstick (bytes per iteration): %s", residency.bounds)
+
+
+def placement_problem(tracer: MemoryTracer, residency: Residency, budget: int) -> PlacementProblem | None:
+    """The warm-up's iteration as the yardstick's points ([Note: the yardstick]); None when it cannot say
+    (several optimizer steps per iteration, a trace the run stopped following)."""
+    moments = tracer.trace.moments
+    if sum(m.kind is MomentKind.STEP for m in moments) != 1 or not tracer.matches:
+        return None
+    families = residency.families
+    owned = {f.family_id for f in families if ChunkKind.PARAM in f.chunks and residency.owns(f)}
+    side = sum(
+        c.nbytes for f in families for k, c in f.chunks.items() if k is not ChunkKind.PARAM and c.tier is Tier.DEVICE
+    )
+    in_slot, stepped = residency.warmup_grad_in_slot, residency.warmup_stepped
+    last_bwd: dict[int, int] = {}
+    for t, m in enumerate(moments):
+        if m.kind is MomentKind.BACKWARD:
+            for fid in m.families:
+                last_bwd[fid] = t
+    points: list[Point] = []
+    moment_point: dict[int, int] = {}  # the step's points are not a moment's: the step falls back to Belady
+    for t, m in enumerate(moments):
+        room = budget - m.non_model_bytes - side
+        if m.kind is not MomentKind.STEP:
+            moment_point[t] = len(points)
+            need = frozenset(owned.intersection(m.families))
+            writes = need & in_slot if m.kind is MomentKind.BACKWARD else frozenset()
+            late = frozenset(f for f in writes if last_bwd.get(f) == t)
+            points.append(Point(label=f"{m.kind.value}:{m.key}", need=need, room=room, writes=writes, writes_late=late))
+            continue
+        for fid in sorted(owned & stepped):
+            one = frozenset({fid})
+            if residency.optimizer_tier_of(families[fid]) is Tier.DEVICE:
+                points.append(Point(label=f"step:{fid}", need=one, room=room, writes=one, writes_late=one))
+            else:
+                points.append(Point(label=f"step:{fid}", need=frozenset(), out=one, room=room))
+    sizes = {fid: families[fid].param_chunk.nbytes for fid in owned}
+    return PlacementProblem(points=tuple(points), sizes=sizes, moment_point=moment_point)
 
 
 def _check_trace_fits(tracer: MemoryTracer, needs: Sequence[int], budget: int) -> None:

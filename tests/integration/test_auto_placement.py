@@ -457,3 +457,59 @@ def test_warmup_trace_does_not_depend_on_the_budget(precision: str) -> None:
     print(f"{precision}: floor {floor.budget}, first needed figure {first_needed}, rejections {floor.rejected}")
     assert got.moment_non_model_bytes == free.moment_non_model_bytes, diffs
     assert floor.budget == first_needed, floor.rejected
+
+
+# --------------------------------------------------------------------------------------------------
+# d. auto never moves more than static, and the yardstick never exceeds what either moved
+# --------------------------------------------------------------------------------------------------
+
+
+def _policy_runs(precision: str) -> list[tuple[int, Run, Run | None]]:
+    """(budget, auto run, static run or None where static refuses the budget) for every budget."""
+    out = []
+    for budget in budgets(precision):
+        auto = run(precision, placement="auto", budget=budget)
+        try:
+            static: Run | None = run(precision, placement="static", budget=budget)
+        except MemoryBudgetError:
+            static = None  # static cannot hold one module's chunks in what the peak leaves (see section a)
+        out.append((budget, auto, static))
+    return out
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_auto_never_moves_more_than_static_at_any_budget(precision: str) -> None:
+    compared = 0
+    for budget, auto, static in _policy_runs(precision):
+        moved = auto.report.moved_bytes_per_iteration
+        assert moved is not None, f"budget {budget}: no iteration after the warm-up was measured"
+        if static is None:
+            continue
+        static_moved = static.report.moved_bytes_per_iteration
+        assert static_moved is not None
+        print(f"{precision} budget {budget}: auto {moved} B/iteration, static {static_moved} B/iteration")
+        assert moved <= static_moved, f"budget {budget}: auto moved {moved} B per iteration, static {static_moved}"
+        compared += 1
+    assert compared >= 2, "fewer than two budgets where both policies train"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_optimum_bound_never_exceeds_what_a_policy_moved(precision: str) -> None:
+    for budget, auto, static in _policy_runs(precision):
+        for policy, got in (("auto", auto), ("static", static)):
+            if got is None:
+                continue
+            report = got.report
+            low, high = report.optimal_bytes_lower_bound, report.optimal_bytes_upper_bound
+            moved = report.moved_bytes_per_iteration
+            what = f"{policy} {precision} budget {budget}: bound {low}..{high}, moved {moved}"
+            print(what)
+            assert low is not None and high is not None and moved is not None, what
+            assert 0 <= low <= high, what
+            # a lower bound above a real schedule would be a wrong yardstick
+            assert low <= moved, what
+            if report.optimal_bytes_per_iteration is not None:
+                assert report.optimal_bytes_per_iteration == low == high, what
+    # unconstrained: nothing to move, and the report says so
+    free = unconstrained(precision).report
+    assert free.optimal_bytes_lower_bound is None and free.moved_bytes_per_iteration in (None, 0)

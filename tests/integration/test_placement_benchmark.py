@@ -72,3 +72,9 @@ def test_placement_benchmark_runs_both_policies_with_unchanged_losses(tmp_path: 
     # under a budget below the model data, static offloads the optimizer and moves bytes every iteration
     assert half["static"]["moved_per_iter"] > 0
     assert half["auto"]["moved_per_iter"] <= half["static"]["moved_per_iter"]
+    # the yardstick: every budgeted run brackets the optimum, and no run moved fewer bytes than its lower bound
+    for r in result["rows"]:
+        assert r["optimal_lower"] is not None and r["optimal_upper"] is not None, r["label"]
+        assert 0 <= r["optimal_lower"] <= r["optimal_upper"], r["label"]
+        assert r["optimal_lower"] <= r["report_moved_per_iter"], r["label"]
+    assert "auto within 1.15x of the optimum" in proc.stdout, explain
