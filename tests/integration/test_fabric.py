@@ -1,0 +1,204 @@
+"""``Fabric(strategy="patrickstar")`` against plain Fabric (``strategy="auto"``), step by step, on one process.
+
+Every test trains :class:`~tests.helpers.models.FlatGPT` for a few steps with the same plain Fabric loop
+(:mod:`tests.helpers.fabric_loop`) under both strategies and compares every micro-batch loss and the final
+weights. 32-true losses must agree within 1e-5 (relative); bf16-mixed ones within plain bf16's own distance
+from plain 32-true. A device budget that forces evictions must give the unconstrained run's results bit for bit,
+and so must a run resumed from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
+from lightning_pstar.checkpoint import CheckpointError, consolidate
+from tests.helpers.asserts import assert_states_close, assert_states_equal, max_rel_diff
+from tests.helpers.fabric_loop import LoopResult, LoopSpec, batches, build_optimizer, train
+from tests.helpers.models import FlatGPT, lm_loss
+from tests.helpers.semantics import assert_within_bf16_noise
+
+LOSS_RTOL = 1e-5
+CHUNK = 4096
+
+
+def _parity(**features: object) -> tuple[LoopResult, LoopResult]:
+    ref = train(LoopSpec(**features))  # type: ignore[arg-type]
+    got = train(LoopSpec(strategy="patrickstar", **features))  # type: ignore[arg-type]
+    diff = max_rel_diff(got.losses, ref.losses)
+    print(f"fabric parity {features}: max relative loss difference {diff:.3e}")
+    assert len(got.losses) == len(ref.losses) > 0
+    assert diff <= LOSS_RTOL, f"{features}: losses {got.losses} vs plain Fabric {ref.losses}"
+    assert_states_close(got.state, ref.state, what=f"fabric {features}")
+    return ref, got
+
+
+def test_registered_with_fabric() -> None:
+    assert STRATEGY_REGISTRY["patrickstar"]["strategy"] is PatrickStarFabricStrategy
+    assert STRATEGY_REGISTRY["patrickstar_spawn"]["init_params"] == {"start_method": "spawn"}
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="patrickstar", precision="bf16-mixed")
+    assert isinstance(fabric.strategy, PatrickStarFabricStrategy)
+    assert fabric.strategy.precision.compute_dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {},
+        {"accumulate": 2},
+        {"clip_norm": 0.5},
+        {"clip_val": 0.005},
+        {"two_groups": True, "scheduler": True},
+        {"optim": "sgd", "eval_between": True},
+    ],
+    ids=["plain", "no_backward_sync", "clip_norm", "clip_value", "groups_scheduler", "sgd_eval_between"],
+)
+def test_parity_32_true(features: dict[str, object]) -> None:
+    ref, got = _parity(**features)
+    if features.get("clip_norm"):
+        clip = float(features["clip_norm"])  # type: ignore[arg-type]
+        assert got.grad_norms == pytest.approx(ref.grad_norms, rel=1e-5)
+        assert any(n > clip for n in ref.grad_norms), f"clipping never active: {ref.grad_norms}"
+    if features.get("scheduler"):
+        assert got.lrs == pytest.approx(ref.lrs, rel=1e-12) and len(set(ref.lrs)) > 1
+    if features.get("eval_between"):
+        assert got.eval_losses == pytest.approx(ref.eval_losses, rel=LOSS_RTOL) and len(got.eval_losses) == 3
+
+
+def test_parity_bf16_mixed() -> None:
+    # SGD with momentum, as the Trainer's bf16 tests: Adam's first steps are sign-like, so they turn the rounding
+    # of near-zero gradients into lr-sized moves and the runs' distance would measure that, not the strategy
+    common = {"steps": 4, "optim": "sgd", "accumulate": 2}
+    plain_32 = train(LoopSpec(**common))  # type: ignore[arg-type]
+    plain_bf16 = train(LoopSpec(precision="bf16-mixed", **common))  # type: ignore[arg-type]
+    got = train(LoopSpec(precision="bf16-mixed", strategy="patrickstar", **common))  # type: ignore[arg-type]
+    ours, noise = assert_within_bf16_noise(got.losses, plain_bf16.losses, plain_32.losses, what="fabric bf16-mixed")
+    print(f"fabric bf16-mixed: max relative distance from plain 32-true {ours:.3e} (plain bf16: {noise:.3e})")
+
+
+def test_device_budget_forces_eviction_bitwise() -> None:
+    free = PatrickStarFabricStrategy(chunk_size=CHUNK, placement="static")
+    tight = PatrickStarFabricStrategy(chunk_size=CHUNK, placement="static", device_memory_limit=2 * CHUNK * 4)
+    a = train(LoopSpec(strategy=free, steps=3, accumulate=2, clip_norm=0.5))
+    b = train(LoopSpec(strategy=tight, steps=3, accumulate=2, clip_norm=0.5))
+    report = tight.memory_report()
+    assert report.evictions > 0, f"the budget never forced an eviction:\n{report}"
+    assert report.peak_device_chunk_bytes <= 2 * CHUNK * 4, report
+    assert free.memory_report().evictions == 0
+    assert b.losses == a.losses
+    assert_states_equal(b.state, a.state, what="fabric under a device budget")
+
+
+def test_meta_device_init() -> None:
+    ref = train(LoopSpec())
+    got = train(LoopSpec(strategy="patrickstar", empty_init=True, separate_setup=True))
+    assert_states_equal(got.initial_state, ref.initial_state, what="materialised from the meta device")
+    assert max_rel_diff(got.losses, ref.losses) <= LOSS_RTOL
+    assert_states_close(got.state, ref.state, what="fabric meta init")
+
+
+def test_meta_device_optimizer_refused() -> None:
+    with pytest.raises(RuntimeError, match="meta-device parameters.*setup_module"):
+        train(LoopSpec(strategy="patrickstar", empty_init=True))
+
+
+@pytest.mark.parametrize("layout", ["consolidated", "sharded"])
+def test_save_load_resume_bitwise(layout: str, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+
+    def strategy() -> PatrickStarFabricStrategy:
+        return PatrickStarFabricStrategy(checkpoint=layout)
+
+    common = {"steps": 4, "scheduler": True, "two_groups": True}
+    whole = train(LoopSpec(strategy=strategy(), save_at=2, checkpoint=path, **common))  # type: ignore[arg-type]
+    resumed = train(LoopSpec(strategy=strategy(), resume_from=path, **common))  # type: ignore[arg-type]
+    assert resumed.losses == whole.losses[2:]
+    assert_states_equal(resumed.state, whole.state, what=f"fabric resumed ({layout})")
+    if layout == "consolidated":
+        # what plain Fabric writes: a plain module loads it strictly, and plain Fabric resumes from it
+        saved = torch.load(path, weights_only=True)
+        assert saved["step"] == 2
+        plain = FlatGPT()
+        plain.load_state_dict(saved["model"], strict=True)
+        build_optimizer(LoopSpec(two_groups=True), plain).load_state_dict(saved["optimizer"])
+    else:
+        out = tmp_path / "consolidated.pt"
+        consolidate(path, out)
+        saved = torch.load(out, weights_only=False)
+        FlatGPT().load_state_dict(saved["state_dict"], strict=True)
+        again = train(LoopSpec(strategy=PatrickStarFabricStrategy(), resume_from=out, **common))  # type: ignore[arg-type]
+        assert again.losses == whole.losses[2:]
+
+
+def test_load_errors_are_clear(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.ckpt"
+    torch.save({"model": {"nope": torch.zeros(1)}, "step": 1}, bad)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="patrickstar")
+    fabric.launch()
+    model = fabric.setup_module(FlatGPT())
+    with pytest.raises(CheckpointError, match="bad.ckpt"):
+        fabric.load(bad, {"model": model})
+    with pytest.raises(KeyError, match="'optimizer'"):
+        fabric.load(bad, {"model": model, "optimizer": torch.zeros(1)})
+
+
+class _LitFlat(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = FlatGPT()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = lm_loss(self.net(batch[0]), batch[1])
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.net.parameters() if p.requires_grad]  # as the Fabric loop's optimizer
+        return torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01)
+
+
+class _LoadFabricCheckpoint(L.Callback):
+    """Loads a Fabric checkpoint through the Trainer strategy once its chunks exist (the start of fit)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, PatrickStarStrategy)
+        saved = strategy.load_checkpoint(self.path)
+        weights = {f"net.{k}": v for k, v in saved["model"].items()}
+        strategy.load_model_state_dict({"state_dict": weights}, strict=True)
+        strategy.optimizers[0].load_state_dict(saved["optimizer"])
+
+
+def test_fabric_checkpoint_loads_in_trainer_strategy(tmp_path: Path) -> None:
+    path = tmp_path / "fabric.ckpt"
+    whole = train(LoopSpec(strategy="patrickstar", steps=4, save_at=2, checkpoint=path))
+    stream = batches(1, 0)
+    for _ in range(2):
+        next(stream)
+    data = [next(stream) for _ in range(2)]
+    module = _LitFlat()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="patrickstar",
+        max_steps=2,
+        callbacks=[_LoadFabricCheckpoint(path)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    assert max_rel_diff(module.losses, whole.losses[2:]) <= LOSS_RTOL
+    got = {k.removeprefix("net."): v for k, v in module.state_dict().items()}
+    assert_states_close(got, whole.state, what="Trainer resumed from a Fabric checkpoint")
