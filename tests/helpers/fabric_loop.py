@@ -1,9 +1,10 @@
 """One plain Fabric training loop, run with any strategy: what the Fabric tests compare step by step.
 
-:func:`train` builds :class:`~tests.helpers.models.FlatGPT` (no key bias: final weights compare) after the same seed, sets it up with the strategy,
-and trains ``steps`` optimizer steps with the features a :class:`LoopSpec` turns on (accumulation through
-``fabric.no_backward_sync``, clipping by norm or value, two param groups, an LR scheduler, a no-grad evaluation
-forward between steps, meta-device init). It returns every micro-batch loss and the final weights.
+:func:`train` builds :class:`~tests.helpers.models.FlatGPT` (no key bias, so final weights compare across
+strategies) after the same seed, sets it up with the strategy, and trains ``steps`` optimizer steps with the
+features a :class:`LoopSpec` turns on (accumulation through ``fabric.no_backward_sync``, clipping by norm or
+value, two param groups, an LR scheduler, a no-grad evaluation forward between steps, meta-device init, a save
+and a resume). It returns every micro-batch loss and the weights before and after training.
 """
 
 from __future__ import annotations
