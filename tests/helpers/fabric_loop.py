@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 
+from lightning_pstar import PatrickStarFabricStrategy
+from lightning_pstar.checkpoint import full_state_dict
 from tests.helpers.data import make_loader
 from tests.helpers.models import SEED, FlatGPT, lm_loss
 
@@ -75,7 +77,11 @@ def batches(world_size: int, rank: int) -> Any:
 
 
 def _state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor]:
-    sd = fabric.strategy.get_module_state_dict(model._forward_module)
+    strategy = fabric.strategy
+    if isinstance(strategy, PatrickStarFabricStrategy):
+        sd = full_state_dict(strategy.chunk_manager)  # on every rank (a checkpoint gathers to rank 0 only)
+    else:
+        sd = strategy.get_module_state_dict(model._forward_module)
     return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
 
 
