@@ -9,6 +9,9 @@ and so must a run resumed from a checkpoint.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -19,6 +22,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
 from lightning_pstar.checkpoint import CheckpointError, consolidate
+from lightning_pstar.demos import GPT, GPTConfig
 from tests.helpers.asserts import assert_states_close, assert_states_equal, max_rel_diff
 from tests.helpers.fabric_loop import LoopResult, LoopSpec, batches, build_optimizer, train
 from tests.helpers.models import FlatGPT, lm_loss
@@ -202,3 +206,29 @@ def test_fabric_checkpoint_loads_in_trainer_strategy(tmp_path: Path) -> None:
     assert max_rel_diff(module.losses, whole.losses[2:]) <= LOSS_RTOL
     got = {k.removeprefix("net."): v for k, v in module.state_dict().items()}
     assert_states_close(got, whole.state, what="Trainer resumed from a Fabric checkpoint")
+
+
+def test_example_fabric_train_runs(tmp_path: Path) -> None:
+    """examples/fabric_train.py with a tiny override: it trains, evaluates, saves a plain checkpoint, reports."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    cmd = [
+        sys.executable,
+        str(repo / "examples" / "fabric_train.py"),
+        f"hydra.run.dir={tmp_path}",
+        "steps=3",
+        "eval_every=2",
+        "eval_batches=1",
+        "accumulate=2",
+        "fabric.precision=32-true",
+        "data.max_chars=20000",
+    ]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=False)
+    explain = f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, explain
+    assert "PatrickStar memory report" in proc.stdout and "val_loss" in proc.stdout, explain
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["step"] == 3
+    config = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    GPT(config).load_state_dict(saved["model"], strict=True)  # an ordinary state_dict: no strategy needed
