@@ -232,3 +232,33 @@ def test_example_fabric_train_runs(tmp_path: Path) -> None:
     assert saved["step"] == 3
     config = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_embd=64)
     GPT(config).load_state_dict(saved["model"], strict=True)  # an ordinary state_dict: no strategy needed
+
+
+def _set_up(strategy: object = "patrickstar") -> tuple[Fabric, object, object]:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)  # type: ignore[arg-type]
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(FlatGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(p for p in model.parameters() if p.requires_grad))
+    return fabric, model, optimizer
+
+
+def test_unsupported_uses_raise_before_training() -> None:
+    x = torch.randint(0, 32, (2, 8))
+    with pytest.raises(ValueError, match="bf16-true"):
+        Fabric(accelerator="cpu", devices=1, strategy="patrickstar", precision="bf16-true")
+    fabric, model, optimizer = _set_up()
+    with pytest.raises(RuntimeError, match="manages one model"):
+        fabric.setup_module(FlatGPT())
+    loss = lm_loss(model(x), x)  # type: ignore[operator]
+    fabric.backward(loss)
+    with pytest.raises(ValueError, match="2-norm only"):
+        fabric.clip_gradients(model, optimizer, max_norm=1.0, norm_type=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive clip_val"):
+        fabric.clip_gradients(model, optimizer, clip_val=0.0)  # type: ignore[arg-type]
+    fabric.clip_gradients(model, optimizer, max_norm=1.0)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="clip_gradients.*before.*optimizer.step"):
+        model(x)  # type: ignore[operator]
+    optimizer.step()  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="fabric.backward"):
+        lm_loss(model(x), x).backward()  # type: ignore[operator]
