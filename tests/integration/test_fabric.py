@@ -262,3 +262,31 @@ def test_unsupported_uses_raise_before_training() -> None:
     optimizer.step()  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="fabric.backward"):
         lm_loss(model(x), x).backward()  # type: ignore[operator]
+
+
+def _two_optimizers(strategy: object) -> list[float]:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)  # type: ignore[arg-type]
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(FlatGPT())
+    net = model.module  # the user's module (the wrapper's own names carry Fabric's prefixes)
+    blocks = [p for p in net.blocks.parameters() if p.requires_grad]
+    rest = [p for n, p in net.named_parameters() if p.requires_grad and not n.startswith("blocks.")]
+    adam, sgd = fabric.setup_optimizers(torch.optim.AdamW(blocks, lr=1e-2), torch.optim.SGD(rest, lr=0.1, momentum=0.9))
+    losses = []
+    stream = batches(1, 0)
+    for _ in range(3):
+        x, y = next(stream)
+        loss = lm_loss(model(x), y)
+        fabric.backward(loss)
+        adam.step()
+        sgd.step()
+        adam.zero_grad()
+        sgd.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_two_optimizers_parity() -> None:
+    ref, got = _two_optimizers("auto"), _two_optimizers("patrickstar")
+    assert max_rel_diff(got, ref) <= LOSS_RTOL, f"{got} vs plain Fabric {ref}"
