@@ -13,14 +13,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
+import tests.helpers.fabric_loop as loop
+from lightning_pstar import LossScaleConfig, PatrickStarFabricPrecision, PatrickStarFabricStrategy, PatrickStarStrategy
 from lightning_pstar.checkpoint import CheckpointError, consolidate
 from lightning_pstar.demos import GPT, GPTConfig
 from tests.helpers.asserts import assert_states_close, assert_states_equal, max_rel_diff
@@ -290,3 +293,52 @@ def _two_optimizers(strategy: object) -> list[float]:
 def test_two_optimizers_parity() -> None:
     ref, got = _two_optimizers("auto"), _two_optimizers("patrickstar")
     assert max_rel_diff(got, ref) <= LOSS_RTOL, f"{got} vs plain Fabric {ref}"
+
+
+def _fp16_runs(init: float, common: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """Plain Fabric's GradScaler and PatrickStar's loss scale, both starting at ``init``, in 16-mixed on CPU (through
+    plugins: Fabric's `precision="16-mixed"` means bf16 there)."""
+
+    def with_plugin(plugin: object) -> object:
+        def build(**kwargs: object) -> Fabric:
+            kwargs.pop("precision")
+            return Fabric(plugins=[plugin], **kwargs)  # type: ignore[arg-type, list-item]
+
+        return build
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=init)
+    monkeypatch.setattr(loop, "Fabric", with_plugin(MixedPrecision("16-mixed", device="cpu", scaler=scaler)))
+    plain = train(LoopSpec(**common))  # type: ignore[arg-type]
+    ours = PatrickStarFabricPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale=init))
+    monkeypatch.setattr(loop, "Fabric", with_plugin(ours))
+    got = train(LoopSpec(strategy=PatrickStarFabricStrategy(), **common))  # type: ignore[arg-type]
+    monkeypatch.undo()
+    return plain, scaler, got, ours
+
+
+FP16_FACTOR = 8.0
+"""16-mixed keeps the weights themselves in fp16 (plain autocast keeps fp32 weights, so its embeddings, LayerNorms
+and residual stream compute in fp32): the extra rounding puts PatrickStar's fp16 losses farther from plain 32-true
+than plain fp16's (measured here: 2.6e-5 against 5.7e-6, 4.5x). The engine's fp16 arithmetic itself is checked
+bitwise against a plain-PyTorch reference of those semantics in test_mixed_precision.py (the same
+ChunkPrecision); here a loss-scale error (a wrong unscale, a missed skip) would move the losses by 1e-3 or more."""
+
+
+def test_16_mixed_loss_scaling_matches_plain_grad_scaler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-mixed: without overflow, within FP16_FACTOR times plain fp16's distance from plain 32-true; with a loss
+    scale that overflows the first steps, the same steps are skipped as by plain Fabric's GradScaler, the scale
+    ends the same, and the losses stay within that noise of plain fp16's."""
+    common: dict[str, object] = {"optim": "sgd", "steps": 4}
+    plain_32 = train(LoopSpec(**common))  # type: ignore[arg-type]
+    plain, _, got, ours = _fp16_runs(2.0**17, common, monkeypatch)  # 2**17: no overflow in this run
+    assert ours.skipped_steps == 0
+    mine, noise = max_rel_diff(got.losses, plain_32.losses), max_rel_diff(plain.losses, plain_32.losses)
+    assert 0 < noise and mine <= FP16_FACTOR * noise, f"{got.losses} vs 32-true {plain_32.losses} ({noise:.3e})"
+    plain, scaler, got, ours = _fp16_runs(2.0**22, common, monkeypatch)  # 2**22 .. 2**20 overflow here
+    assert 0 < ours.skipped_steps < 4, f"{ours.skipped_steps} steps skipped"
+    assert ours.scale == scaler.get_scale() == 2.0**22 * 0.5**ours.skipped_steps
+    skipped = max_rel_diff(got.losses, plain.losses)
+    # ours within FP16_FACTOR * noise of the (unscaled) truth, plain fp16 within noise: so within the sum of each other
+    assert skipped <= (FP16_FACTOR + 1) * noise, f"with skipped steps: {got.losses} vs plain fp16 {plain.losses}"
+    print(f"fabric 16-mixed: {mine:.3e} from 32-true (plain fp16: {noise:.3e});", end=" ")
+    print(f"{ours.skipped_steps} steps skipped, {skipped:.3e} from plain fp16")
