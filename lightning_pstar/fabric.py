@@ -17,7 +17,6 @@ micro-batch (a teacher's output before the backward) is part of it, as in a Trai
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -42,23 +41,21 @@ from lightning_pstar.checkpointing import SafeCheckpointIO, chunked_of
 from lightning_pstar.config import PStarConfig, PStarOptions
 from lightning_pstar.fabric_checkpoint import load_fabric_checkpoint, save_fabric_checkpoint
 from lightning_pstar.glue import (
+    EngineAccess,
     build_engine,
-    format_rank_summary,
     hand_back,
     move_buffers,
+    register_names,
     resolve_config,
     wrap_optimizers,
 )
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import ChunkPrecision
-from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import MicroBatch
 
 __all__ = ["PatrickStarFabricPrecision", "PatrickStarFabricStrategy"]
-
-log = logging.getLogger(__name__)
 
 _FABRIC_ARGUMENTS = (
     "accelerator",
@@ -152,7 +149,7 @@ class _ChunkBackwardSync(_BackwardSyncControl):
             manager.micro_batch = MicroBatch.FINAL
 
 
-class PatrickStarFabricStrategy(DDPStrategy, _Sharded):
+class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
     """``Fabric(strategy="patrickstar")``: models larger than the accelerator's memory, in a Fabric loop.
 
     The options are those of :class:`~lightning_pstar.strategy.PatrickStarStrategy` (flat keywords or one
@@ -161,6 +158,7 @@ class PatrickStarFabricStrategy(DDPStrategy, _Sharded):
     """
 
     strategy_name = "patrickstar"
+    _NOT_SET_UP = "HINT: call `fabric.setup(model, optimizer)` (or `fabric.setup_module(model)`) first."
 
     def __init__(
         self,
@@ -184,8 +182,6 @@ class PatrickStarFabricStrategy(DDPStrategy, _Sharded):
         self._optimizers: list[ChunkedOptimizer] = []
         self._batch_open = False  # a training forward ran and its backward has not
         self._in_forward = False
-        self._final_report: MemoryReport | None = None
-        self._final_reports: list[MemoryReport] | None = None
         self._nonfinite_errors: dict[int, bool] = {}  # id(chunked optimizer) -> error_if_nonfinite of its clip
         super().__init__(
             accelerator=accelerator,
@@ -290,7 +286,7 @@ class PatrickStarFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        manager = self.chunk_manager
+        manager = self._require_manager()
         users = [opt.user_optimizer for opt in self._optimizers]
         chunked = wrap_optimizers([*users, optimizer], self._module, manager)[-1]
         self._optimizers.append(chunked)
@@ -341,7 +337,7 @@ class PatrickStarFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        manager = self.chunk_manager
+        manager = self._require_manager()
         manager.begin_backward()  # every rank is here: collectives may start
         self.precision.pre_backward(tensor, module)
         self.precision.backward(tensor, module, *args, **kwargs)
@@ -351,7 +347,7 @@ class PatrickStarFabricStrategy(DDPStrategy, _Sharded):
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        manager = self.chunk_manager
+        manager = self._require_manager()
         chunked = chunked_of(optimizer)
         raise_nonfinite = self._nonfinite_errors.pop(id(chunked), False)
         result = self.precision.optimizer_step(optimizer, **kwargs)
@@ -475,37 +471,6 @@ class PatrickStarFabricStrategy(DDPStrategy, _Sharded):
             self, Path(self.broadcast(str(path))), state, strict=strict, weights_only=weights_only
         )
 
-    # ---- reporting ------------------------------------------------------------------------------------
-    @property
-    def chunk_manager(self) -> ChunkManager:
-        """The engine behind this strategy (available once a model is set up)."""
-        if self._manager is None:
-            raise RuntimeError(
-                "The PatrickStar engine is not set up yet. HINT: call `fabric.setup(model, optimizer)` (or"
-                " `fabric.setup_module(model)`) first."
-            )
-        return self._manager
-
-    def memory_report(self) -> MemoryReport:
-        """Bytes of chunks per tier, peak device bytes, transfer volume, evictions and chunk utilisation
-        (after :meth:`teardown`, the report as it stood then)."""
-        if self._manager is None and self._final_report is not None:
-            return self._final_report
-        return self.chunk_manager.memory_report()
-
-    def memory_report_all(self) -> list[MemoryReport]:
-        """Every rank's report, in rank order: a collective while the model is set up (call it on every rank);
-        after :meth:`teardown`, the reports gathered then."""
-        if self._manager is None and self._final_reports is not None:
-            return list(self._final_reports)
-        manager = self.chunk_manager
-        return manager.comm.all_gather_object(manager.memory_report())
-
-    @staticmethod
-    def format_rank_summary(reports: list[MemoryReport]) -> str:
-        """One line per rank and the totals, for rank 0 to print."""
-        return format_rank_summary(reports)
-
     # ---- teardown -------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
@@ -520,10 +485,4 @@ class PatrickStarFabricStrategy(DDPStrategy, _Sharded):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        entries = (
-            (cls.strategy_name, "popen", "PatrickStar chunk-based memory management"),
-            ("patrickstar_spawn", "spawn", "PatrickStar, processes started with torch.multiprocessing (notebooks)"),
-        )
-        for name, start_method, description in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, start_method=start_method)
+        register_names(cls, strategy_registry)

@@ -31,12 +31,14 @@ from lightning_pstar.setup_checks import parameter_free_metrics, refuse_shared_p
 
 __all__ = [
     "EndOfRun",
+    "EngineAccess",
     "build_engine",
     "cpu_group",
     "format_rank_summary",
     "hand_back",
     "move_buffers",
     "quiet_teardown",
+    "register_names",
     "resolve_config",
     "wrap_optimizers",
 ]
@@ -65,6 +67,18 @@ def resolve_config(
             " or pass keywords only."
         )
     return config
+
+
+def register_names(cls: type, registry: Any) -> None:
+    """Register ``"patrickstar"`` (processes started as scripts, torchrun-style) and ``"patrickstar_spawn"``
+    (``torch.multiprocessing``, for notebooks) for ``cls`` in a Trainer or Fabric strategy registry."""
+    entries = (
+        (getattr(cls, "strategy_name", "patrickstar"), "popen", "PatrickStar chunk-based memory management"),
+        ("patrickstar_spawn", "spawn", "PatrickStar, processes started with torch.multiprocessing (notebooks)"),
+    )
+    for name, start_method, description in entries:
+        if name not in registry:
+            registry.register(name, cls, description=description, start_method=start_method)
 
 
 def quiet_teardown(*parts: Any) -> None:
@@ -191,3 +205,56 @@ def format_rank_summary(reports: list[MemoryReport]) -> str:
     total = sum(r.model_data_bytes for r in reports)
     lines.append(f"total model data over {len(reports)} ranks: {fmt(total)}")
     return "\n".join(lines)
+
+
+class EngineAccess:
+    """The engine and its memory reports, as both strategies offer them.
+
+    A strategy sets ``_manager`` while the engine is up and ``_final_report`` / ``_final_reports`` when it hands the
+    model back; ``_NOT_SET_UP`` says when the engine exists (the glue's own words)."""
+
+    _manager: ChunkManager | None = None
+    _final_report: MemoryReport | None = None
+    _final_reports: list[MemoryReport] | None = None  # every rank's report, gathered at the last hand-back
+    _NOT_SET_UP = "HINT: call this once the model is set up."
+
+    @property
+    def chunk_manager(self) -> ChunkManager:
+        """The engine behind this strategy (available once the model is set up)."""
+        return self._require_manager()
+
+    def _require_manager(self) -> ChunkManager:
+        if self._manager is None:
+            raise RuntimeError(f"The PatrickStar engine is not set up yet. {self._NOT_SET_UP}")
+        return self._manager
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of chunks per tier, peak device bytes, transfer volume, evictions and chunk utilisation.
+
+        After the run has ended, the report as it stood at the end of the run.
+        """
+        if self._manager is None and self._final_report is not None:
+            return self._final_report
+        return self._require_manager().memory_report()
+
+    def memory_report_all(self) -> list[MemoryReport]:
+        """Every rank's report, in rank order.
+
+        While the engine is up this is a collective: call it on every rank. After the run it returns the reports
+        gathered when the model was handed back, without communicating. After a run that ended with an exception on
+        several ranks nothing was gathered, and it raises (``memory_report()`` still works).
+        """
+        if self._manager is None and self._final_reports is not None:
+            return list(self._final_reports)
+        if self._manager is None and self._final_report is not None:
+            raise RuntimeError(
+                "The ranks' memory reports were not gathered: the run ended with an exception, and a rank may"
+                " have left its collectives. HINT: `memory_report()` returns this rank's report of that run."
+            )
+        manager = self._require_manager()
+        return manager.comm.all_gather_object(manager.memory_report())
+
+    @staticmethod
+    def format_rank_summary(reports: list[MemoryReport]) -> str:
+        """One line per rank and the totals, for rank 0 to print."""
+        return format_rank_summary(reports)

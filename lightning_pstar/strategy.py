@@ -39,11 +39,12 @@ from lightning_pstar.checkpointing import (
 )
 from lightning_pstar.config import PStarConfig, PStarOptions
 from lightning_pstar.glue import (
+    EngineAccess,
     build_engine,
-    format_rank_summary,
     hand_back,
     move_buffers,
     quiet_teardown,
+    register_names,
     resolve_config,
     wrap_optimizers,
 )
@@ -72,7 +73,7 @@ _LIGHTNING_ARGUMENTS = (
 )
 
 
-class PatrickStarStrategy(DDPStrategy):
+class PatrickStarStrategy(EngineAccess, DDPStrategy):
     """Train models larger than the accelerator's memory with chunk-based memory management.
 
     The PatrickStar options are flat keywords (``chunk_size``, ``placement``, ``device_memory_limit``, ... see
@@ -83,6 +84,9 @@ class PatrickStarStrategy(DDPStrategy):
     """
 
     strategy_name = "patrickstar"
+    _NOT_SET_UP = (
+        "HINT: call this after `trainer.fit/validate/test` has started (e.g. in a callback) or after it has run."
+    )
 
     def __init__(
         self,
@@ -403,29 +407,6 @@ class PatrickStarStrategy(DDPStrategy):
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
 
-    # ---- reporting ------------------------------------------------------------------------------------
-    def memory_report(self) -> MemoryReport:
-        """Bytes of chunks per tier, peak device bytes, transfer volume, evictions and chunk utilisation.
-
-        After the run has ended, the report as it stood at the end of the run.
-        """
-        if self._manager is None and self._final_report is not None:
-            return self._final_report
-        return self._require_manager().memory_report()
-
-    @property
-    def chunk_manager(self) -> ChunkManager:
-        """The engine behind this strategy (available once the Trainer has set it up)."""
-        return self._require_manager()
-
-    def _require_manager(self) -> ChunkManager:
-        if self._manager is None:
-            raise RuntimeError(
-                "The PatrickStar engine is not set up yet. HINT: call this after `trainer.fit/validate/test`"
-                " has started (e.g. in a callback) or after it has run."
-            )
-        return self._manager
-
     # ---- teardown -------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
@@ -457,38 +438,7 @@ class PatrickStarStrategy(DDPStrategy):
         self._failed = True
         super().on_exception(exception)
 
-    _final_reports: list[MemoryReport] | None = None  # every rank's report, gathered at the last teardown
-
-    def memory_report_all(self) -> list[MemoryReport]:
-        """Every rank's report, in rank order.
-
-        While the Trainer runs (from the strategy's setup in ``fit``/``validate``/``test``/``predict`` to its
-        teardown) this is a collective: call it on every rank. After the run it returns the reports gathered
-        at teardown, as they stood at the end of the run, without communicating. After a run that ended with
-        an exception on several ranks nothing was gathered, and it raises (``memory_report()`` still works).
-        """
-        if self._manager is None and self._final_reports is not None:
-            return list(self._final_reports)
-        if self._manager is None and self._final_report is not None:
-            raise RuntimeError(
-                "The ranks' memory reports were not gathered: the run ended with an exception, and a rank may"
-                " have left its collectives. HINT: `memory_report()` returns this rank's report of that run."
-            )
-        manager = self._require_manager()
-        return manager.comm.all_gather_object(manager.memory_report())
-
-    @staticmethod
-    def format_rank_summary(reports: list[MemoryReport]) -> str:
-        """One line per rank and the totals, for rank 0 to print."""
-        return format_rank_summary(reports)
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        entries = (
-            (cls.strategy_name, "popen", "PatrickStar chunk-based memory management"),
-            ("patrickstar_spawn", "spawn", "PatrickStar, processes started with torch.multiprocessing (notebooks)"),
-        )
-        for name, start_method, description in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, start_method=start_method)
+        register_names(cls, strategy_registry)

@@ -5,7 +5,8 @@ failure is re-raised here). Each rank trains on its own share of the data (rank 
 accumulation through ``fabric.no_backward_sync``, clipping by norm, two param groups, an LR scheduler and a no-grad
 evaluation forward between steps. Small chunks spread the chunk families over both ranks, so each rank steps the
 families it owns and gathers the others. Every loss on every rank within 1e-5 (relative) of ddp's, and the final
-weights close to ddp's. Then a sharded checkpoint written by both ranks at step 2 resumes bit for bit, and
+weights close to ddp's. Then a sharded checkpoint written by both ranks at step 2, and a consolidated one
+gathered to rank 0, resume bit for bit, and
 ``fabric.all_reduce`` / ``fabric.barrier`` and the memory reports of both ranks work.
 """
 
@@ -50,9 +51,12 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     strategy = fabric.strategy
     assert isinstance(strategy, PatrickStarFabricStrategy)
     reports = strategy.memory_report_all()
-    path = Path(out_dir) / "sharded"
-    whole = train(LoopSpec(strategy=_pstar("sharded"), save_at=2, checkpoint=path, **COMMON))
-    resumed = train(LoopSpec(strategy=_pstar("sharded"), resume_from=path, **COMMON))
+    resumes = {}
+    for layout in ("sharded", "consolidated"):
+        path = Path(out_dir) / layout
+        whole = train(LoopSpec(strategy=_pstar(layout), save_at=2, checkpoint=path, **COMMON))
+        resumed = train(LoopSpec(strategy=_pstar(layout), resume_from=path, **COMMON))
+        resumes[layout] = (whole.losses, resumed.losses, whole.state, resumed.state)
     return {
         "ref": ref.losses,
         "got": got.losses,
@@ -64,10 +68,7 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         "got_state": got.state,
         "all_reduce": float(total),
         "report_ranks": [r.rank for r in reports],
-        "whole": whole.losses,
-        "resumed": resumed.losses,
-        "whole_state": whole.state,
-        "resumed_state": resumed.state,
+        "resumes": resumes,
     }
 
 
@@ -85,6 +86,7 @@ def test_fabric_parity_with_ddp_at_two_ranks(tmp_path: Path) -> None:
         assert_states_close(r["got_state"], r["ref_state"], what=f"fabric rank {rank}")
         assert r["all_reduce"] == 3.0
         assert r["report_ranks"] == [0, 1]
-        assert r["resumed"] == r["whole"][2 * COMMON["accumulate"] :]
-        assert_states_equal(r["resumed_state"], r["whole_state"], what=f"fabric sharded resume, rank {rank}")
+        for layout, (whole, resumed, whole_state, resumed_state) in r["resumes"].items():
+            assert resumed == whole[2 * COMMON["accumulate"] :], f"{layout} resume, rank {rank}"
+            assert_states_equal(resumed_state, whole_state, what=f"fabric {layout} resume, rank {rank}")
     assert results[0]["got"] != results[1]["got"]  # the ranks saw different data
