@@ -7,7 +7,8 @@ evaluation forward between steps. Small chunks spread the chunk families over bo
 families it owns and gathers the others. Every loss on every rank within 1e-5 (relative) of ddp's, and the final
 weights close to ddp's. Then a sharded checkpoint written by both ranks at step 2, and a consolidated one
 gathered to rank 0, resume bit for bit, and
-``fabric.all_reduce`` / ``fabric.barrier`` and the memory reports of both ranks work.
+``fabric.all_reduce`` / ``fabric.barrier`` and the memory reports of both ranks work. The same loop started by
+``"patrickstar_spawn"`` (Fabric's multiprocessing launcher) gives ddp's losses too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import run_ranks
+from launch import run_isolated, run_ranks
 
 from lightning_pstar import PatrickStarFabricStrategy
 from tests.helpers.asserts import LOSS_RTOL, assert_states_close, assert_states_equal, max_rel_diff
@@ -90,3 +91,14 @@ def test_fabric_parity_with_ddp_at_two_ranks(tmp_path: Path) -> None:
             assert resumed == whole[2 * COMMON["accumulate"] :], f"{layout} resume, rank {rank}"
             assert_states_equal(resumed_state, whole_state, what=f"fabric {layout} resume, rank {rank}")
     assert results[0]["got"] != results[1]["got"]  # the ranks saw different data
+    # Fabric's other launcher: "patrickstar_spawn" starts the ranks itself (torch.multiprocessing)
+    spawned = run_isolated(_spawned)
+    diff = max_rel_diff(spawned, results[0]["ref"])
+    print(f"fabric patrickstar_spawn rank 0: max relative loss difference against ddp {diff:.3e}")
+    assert diff <= LOSS_RTOL, f"patrickstar_spawn {spawned} vs ddp {results[0]['ref']}"
+
+
+def _spawned() -> list[float]:
+    """For ``run_isolated``: the same loop on 2 ranks started by ``patrickstar_spawn`` (rank 0's losses)."""
+    torch.set_num_threads(1)
+    return train(LoopSpec(strategy="patrickstar_spawn", local_result=False, **COMMON)).losses

@@ -44,6 +44,7 @@ class LoopSpec:
     resume_from: Path | None = None  # load before training (the steps then continue from the saved step)
     checkpoint: Path | None = None
     initial_state: dict[str, torch.Tensor] | None = None  # load these weights before setup (plain strategies)
+    local_result: bool = True  # False where the result crosses processes (spawn launchers): losses only
 
 
 @dataclass
@@ -86,9 +87,13 @@ def _state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor]:
 
 
 def train(spec: LoopSpec) -> LoopResult:
-    """Run the loop (inside the process of one rank); see the module docstring."""
+    """Run the loop on every rank (in this process, or in the processes a spawn launcher starts: then rank 0's
+    result comes back, losses only); see the module docstring."""
     fabric = Fabric(accelerator="cpu", devices=spec.devices, strategy=spec.strategy, precision=spec.precision)
-    fabric.launch()
+    return fabric.launch(_loop, spec)
+
+
+def _loop(fabric: Fabric, spec: LoopSpec) -> LoopResult:
     torch.manual_seed(SEED)
     if spec.empty_init:
         with fabric.init_module(empty_init=True):
@@ -104,7 +109,7 @@ def train(spec: LoopSpec) -> LoopResult:
     else:
         model, optimizer = fabric.setup(net, build_optimizer(spec, net))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7) if spec.scheduler else None
-    result = LoopResult(fabric=fabric)
+    result = LoopResult(fabric=fabric if spec.local_result else None)
     result.initial_state = _state(fabric, model)
     start = 0
     if spec.resume_from is not None:
@@ -148,4 +153,6 @@ def train(spec: LoopSpec) -> LoopResult:
                 state["scheduler"] = scheduler
             fabric.save(spec.checkpoint, state)
     result.state = _state(fabric, model)
+    if not spec.local_result:  # tensors through a spawn launcher's queue outlive their worker's shared memory
+        result.state, result.initial_state = {}, {}
     return result
