@@ -211,6 +211,7 @@ def test_fabric_checkpoint_loads_in_trainer_strategy(tmp_path: Path) -> None:
     assert_states_close(got, whole.state, what="Trainer resumed from a Fabric checkpoint")
 
 
+@pytest.mark.slow  # a subprocess that imports Hydra, Lightning and reads the corpus: ~18 s on a busy machine
 def test_example_fabric_train_runs(tmp_path: Path) -> None:
     """examples/fabric_train.py with a tiny override: it trains, evaluates, saves a plain checkpoint, reports."""
     repo = Path(__file__).resolve().parents[2]
