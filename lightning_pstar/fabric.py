@@ -351,6 +351,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         chunked = chunked_of(optimizer)
         raise_nonfinite = self._nonfinite_errors.pop(id(chunked), False)
         result = self.precision.optimizer_step(optimizer, **kwargs)
+        self._batch_open = False  # a forward after a step starts a micro-batch, even if no backward came between
         if len(self._optimizers) == 1:
             manager.end_warmup_if_recording()  # one step per iteration: the warm-up ends with it
         else:
