@@ -3,8 +3,8 @@
 The same engine as the Trainer strategy (:mod:`lightning_pstar.glue` builds it for both), driven by the same
 manager verbs. A Fabric loop has no Trainer callbacks, so the iteration's boundaries are found here:
 
-- start of a training micro-batch: the first forward of the set-up model with grad enabled after a backward
-  (or at the start); it opens the micro-batch (``begin_training_batch``) and, as the Trainer's training step
+- start of a training micro-batch: the first forward of the set-up model with grad enabled after a backward or
+  a step (or at the start); it opens the micro-batch (``begin_training_batch``) and, as the Trainer's training step
   does, runs under the hooks' saved-tensor handling;
 - end of backward: ``fabric.backward`` returning (``begin_backward`` / ``finish_backward`` around it);
 - the step: the wrapped optimizer's ``step`` (one optimizer ends the warm-up with its first step, as the
@@ -47,13 +47,13 @@ from lightning_pstar.glue import (
     move_buffers,
     register_names,
     resolve_config,
-    wrap_optimizers,
 )
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import ChunkPrecision
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import MicroBatch
+from lightning_pstar.setup_checks import refuse_shared_parameters
 
 __all__ = ["PatrickStarFabricPrecision", "PatrickStarFabricStrategy"]
 
@@ -288,7 +288,8 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         manager = self._require_manager()
         users = [opt.user_optimizer for opt in self._optimizers]
-        chunked = wrap_optimizers([*users, optimizer], self._module, manager)[-1]
+        refuse_shared_parameters([*users, optimizer], self._module)  # also against those set up before
+        chunked = ChunkedOptimizer(optimizer, manager)
         self._optimizers.append(chunked)
         return chunked
 

@@ -254,6 +254,8 @@ def test_unsupported_uses_raise_before_training() -> None:
     fabric, model, optimizer = _set_up()
     with pytest.raises(RuntimeError, match="manages one model"):
         fabric.setup_module(FlatGPT())
+    with pytest.raises(ValueError, match="is in optimizer 0 and optimizer 1"):
+        fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))  # type: ignore[attr-defined]
     loss = lm_loss(model(x), x)  # type: ignore[operator]
     fabric.backward(loss)
     with pytest.raises(ValueError, match="2-norm only"):
