@@ -4,6 +4,10 @@ In ``16-mixed`` and ``bf16-mixed`` the model's parameters are compute-dtype copi
 that live in chunks; the forward runs under ``torch.autocast``. ``32-true`` trains in fp32 throughout.
 The gradient arithmetic itself (unscale, clip, update) runs inside the chunked optimizer's step, which
 this plugin configures through :class:`~lightning_pstar.optim.GradientPolicy`.
+
+:class:`ChunkPrecision` holds what the Trainer's plugin (:class:`PatrickStarPrecision`, here) and Fabric's
+(:class:`~lightning_pstar.fabric.PatrickStarFabricPrecision`) share: the compute dtype, autocast, the loss
+scale and its update, clipping set for the next step, and their state; each glue adds only its own hooks.
 """
 
 from __future__ import annotations
@@ -14,16 +18,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_pstar.config import SUPPORTED_PRECISIONS, LossScaleConfig
 from lightning_pstar.optim import ChunkedOptimizer
 
-__all__ = ["PatrickStarPrecision", "SUPPORTED_PRECISIONS"]
+__all__ = ["ChunkPrecision", "PatrickStarPrecision", "SUPPORTED_PRECISIONS"]
 
 _DTYPES = dict(zip(SUPPORTED_PRECISIONS, (torch.float16, torch.bfloat16, torch.float32), strict=True))
 
@@ -32,8 +37,8 @@ class LossScaleUnderflowError(RuntimeError):
     """fp16 gradients kept overflowing until the loss scale reached its minimum."""
 
 
-class PatrickStarPrecision(Precision):
-    """Precision plugin of the PatrickStar strategy.
+class ChunkPrecision(FabricPrecision):
+    """What both precision plugins share: compute dtype, autocast, loss scale, clipping for the next step.
 
     Args:
         precision: "16-mixed", "bf16-mixed" or "32-true".
@@ -65,12 +70,12 @@ class PatrickStarPrecision(Precision):
         return self.compute_dtype is not torch.float32
 
     @classmethod
-    def from_plugin(cls, plugin: Precision, loss_scale: LossScaleConfig | None = None) -> PatrickStarPrecision:
-        """Convert the plugin Lightning chose from ``Trainer(precision=...)``.
+    def from_plugin(cls, plugin: Any, loss_scale: LossScaleConfig | None = None) -> Self:
+        """Convert the plugin Lightning chose from ``Trainer(precision=...)`` (or ``Fabric(precision=...)``).
 
         ``loss_scale`` (the strategy's option) applies unless the plugin was given its own.
         """
-        if isinstance(plugin, PatrickStarPrecision):
+        if isinstance(plugin, cls):
             if loss_scale is not None and not plugin._loss_scale_explicit:
                 plugin.loss_scale_config = loss_scale
                 if plugin.uses_loss_scaling:
@@ -92,43 +97,26 @@ class PatrickStarPrecision(Precision):
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module  # the chunk manager casts parameters into their chunks
 
-    # ---- backward -----------------------------------------------------------------------------------------
-    @override
-    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        tensor = super().pre_backward(tensor, module)
-        if self.uses_loss_scaling:
-            tensor = tensor * self.scale
-        return tensor
-
-    @override
-    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        if self.uses_loss_scaling:
-            tensor = tensor / self.scale
-        return super().post_backward(tensor, module)
+    def scaled(self, tensor: Tensor) -> Tensor:
+        """The loss to run backward from (multiplied by the loss scale in fp16)."""
+        return tensor * self.scale if self.uses_loss_scaling else tensor
 
     # ---- step ---------------------------------------------------------------------------------------------
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self,
-        optimizer: Any,
-        model: pl.LightningModule,
-        closure: Callable[[], Any],
-        **kwargs: Any,
-    ) -> Any:
+    def begin_step(self, optimizer: Any) -> ChunkedOptimizer:
+        """Configure the chunked optimizer's gradient policy for the coming step (unscale, inf check)."""
         chunked = self._chunked(optimizer)
         policy = chunked.gradient_policy
         policy.inv_scale = 1.0 / self.scale
         policy.check_finite = self.uses_loss_scaling
-        # clipping is set by `clip_gradients`: inside the closure under automatic optimization, before
-        # `opt.step()` under manual optimization; it applies to this step only
-        try:
-            result = super().optimizer_step(chunked, model=model, closure=closure, **kwargs)
-        finally:
-            policy.clip_norm = None
-            policy.clip_value = None
-        if self.uses_loss_scaling:
+        return chunked
+
+    def end_step(self, chunked: ChunkedOptimizer, *, stepped: bool) -> None:
+        """After a step (``stepped``) or a failed one: clipping applied to that step only; the loss scale moves."""
+        policy = chunked.gradient_policy
+        policy.clip_norm = None
+        policy.clip_value = None
+        if stepped and self.uses_loss_scaling:
             self._update_scale(chunked.last_step.skipped)
-        return result
 
     def _update_scale(self, skipped: bool) -> None:
         cfg = self.loss_scale_config
@@ -148,30 +136,23 @@ class PatrickStarPrecision(Precision):
             self.scale *= cfg.growth_factor
             self._good_steps = 0
 
-    @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
+    def clip_next_step(self, optimizer: Any, clip_val: float, *, by_norm: bool) -> None:
+        """Clip the gradients of the coming step by global norm (``by_norm``) or by value (no-op for <= 0)."""
         if clip_val <= 0:
             return
         policy = self._chunked(optimizer).gradient_policy
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            policy.clip_value = float(clip_val)
-        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+        if by_norm:
             policy.clip_norm = float(clip_val)
-        else:  # pragma: no cover - Lightning validates the algorithm
-            raise ValueError(f"unknown gradient clipping algorithm {gradient_clip_algorithm!r}")
+        else:
+            policy.clip_value = float(clip_val)
 
     @staticmethod
     def _chunked(optimizer: Any) -> ChunkedOptimizer:
-        inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer / _FabricOptimizer
         if not isinstance(inner, ChunkedOptimizer):
             raise TypeError(
-                f"PatrickStarPrecision needs the strategy's chunked optimizer, got {type(optimizer).__name__}."
-                " HINT: use it together with strategy='patrickstar'."
+                f"PatrickStar's precision plugin needs the strategy's chunked optimizer, got"
+                f" {type(optimizer).__name__}. HINT: use it together with strategy='patrickstar'."
             )
         return inner
 
@@ -185,3 +166,49 @@ class PatrickStarPrecision(Precision):
         self.scale = float(state_dict["scale"])
         self._good_steps = int(state_dict["good_steps"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+
+class PatrickStarPrecision(ChunkPrecision, Precision):
+    """Precision plugin of the PatrickStar Trainer strategy (see :class:`ChunkPrecision` for the arguments)."""
+
+    # ---- backward -----------------------------------------------------------------------------------------
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        return self.scaled(super().pre_backward(tensor, module))
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.uses_loss_scaling:
+            tensor = tensor / self.scale
+        return super().post_backward(tensor, module)
+
+    # ---- step ---------------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        chunked = self.begin_step(optimizer)
+        # clipping is set by `clip_gradients`: inside the closure under automatic optimization, before
+        # `opt.step()` under manual optimization; it applies to this step only
+        stepped = False
+        try:
+            result = super().optimizer_step(chunked, model=model, closure=closure, **kwargs)
+            stepped = True
+        finally:
+            self.end_step(chunked, stepped=stepped)
+        return result
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if gradient_clip_algorithm not in (GradClipAlgorithmType.VALUE, GradClipAlgorithmType.NORM):
+            raise ValueError(f"unknown gradient clipping algorithm {gradient_clip_algorithm!r}")  # pragma: no cover
+        self.clip_next_step(optimizer, clip_val, by_norm=gradient_clip_algorithm == GradClipAlgorithmType.NORM)

@@ -10,7 +10,7 @@ engine: parameters live in chunks (:mod:`lightning_pstar.runtime.manager`), hook
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -20,53 +20,42 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import Unpack, override
 
-from lightning_pstar.checkpoint import (
-    INFO_KEY,
-    SHARDED_KEY,
-    CheckpointError,
-    full_state_dict,
-    is_sharded_checkpoint,
-    load_checkpoint_file,
-    load_full_state_dict,
-    load_owned_tensors,
-    owned_tensors,
-    read_sharded_meta,
-    read_sharded_tensors,
-    remove_checkpoint_path,
-    remove_leftovers,
-    restore_module,
-    save_checkpoint_file,
-    sharded_info,
-    sharded_meta,
-    stored_keys,
-    write_sharded,
+from lightning_pstar.checkpoint import SHARDED_KEY, full_state_dict
+from lightning_pstar.checkpointing import (
+    SafeCheckpointIO,
+    check_optimizer_states,
+    chunked_of,
+    load_model_state,
+    load_sharded_optimizer_states,
+    open_checkpoint,
+    refuse_bare_state_dict,
+    write_sharded_checkpoint,
 )
-from lightning_pstar.config import PStarConfig, PStarOptions, check_option_names
+from lightning_pstar.config import PStarConfig, PStarOptions
+from lightning_pstar.glue import (
+    EngineAccess,
+    build_engine,
+    hand_back,
+    move_buffers,
+    quiet_teardown,
+    register_names,
+    resolve_config,
+    wrap_optimizers,
+)
 from lightning_pstar.hardware import warn_if_slow_bf16
-from lightning_pstar.optim import ChunkedOptimizer
-from lightning_pstar.optim.state_dict import check_optimizer_class
 from lightning_pstar.precision import PatrickStarPrecision
-from lightning_pstar.report import MemoryReport, format_bytes
-from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import MicroBatch
 from lightning_pstar.runtime.tracer import out_of_memory_as_error
-from lightning_pstar.setup_checks import (
-    explain_optimizer_setup_error,
-    parameter_free_metrics,
-    refuse_shared_parameters,
-    refuse_unsupported_dtypes,
-)
+from lightning_pstar.setup_checks import explain_optimizer_setup_error
 
 __all__ = ["PatrickStarStrategy", "SafeCheckpointIO"]
 
@@ -85,37 +74,7 @@ _LIGHTNING_ARGUMENTS = (
 )
 
 
-class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning's torch checkpoint IO with atomic writes and clear errors on unreadable files.
-
-    A process killed in the middle of a save leaves the previous checkpoint intact, and a sharded checkpoint
-    directory loads as its checkpoint dict (the tensors stay in the store); see :mod:`lightning_pstar.checkpoint`.
-    """
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        save_checkpoint_file(checkpoint, path)
-
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        map_location: Callable | None = lambda storage, loc: storage,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        target = Path(path)
-        if is_sharded_checkpoint(target):
-            return read_sharded_meta(target)
-        return load_checkpoint_file(target, map_location=map_location, weights_only=weights_only)
-
-    @override
-    def remove_checkpoint(self, path: _PATH) -> None:
-        remove_checkpoint_path(path)
-
-
-class PatrickStarStrategy(DDPStrategy):
+class PatrickStarStrategy(EngineAccess, DDPStrategy):
     """Train models larger than the accelerator's memory with chunk-based memory management.
 
     The PatrickStar options are flat keywords (``chunk_size``, ``placement``, ``device_memory_limit``, ... see
@@ -126,6 +85,9 @@ class PatrickStarStrategy(DDPStrategy):
     """
 
     strategy_name = "patrickstar"
+    _NOT_SET_UP = (
+        "HINT: call this after `trainer.fit/validate/test` has started (e.g. in a callback) or after it has run."
+    )
 
     def __init__(
         self,
@@ -160,22 +122,7 @@ class PatrickStarStrategy(DDPStrategy):
 
     @staticmethod
     def _resolve_config(config: PStarConfig | None, options: PStarOptions) -> PStarConfig:
-        # `**options` catches every other keyword only to name a misspelled one (ours or Lightning's)
-        check_option_names(options, lightning=_LIGHTNING_ARGUMENTS)
-        if config is None:
-            return PStarConfig.from_flat(**options)
-        if not isinstance(config, PStarConfig):
-            raise ValueError(
-                f"`config` must be a PStarConfig, got {type(config).__name__}."
-                " HINT: build the strategy from a dict or OmegaConf node with PatrickStarStrategy.from_config(...)."
-            )
-        if options:
-            raise ValueError(
-                f"PatrickStarStrategy got `config=` together with {sorted(options)}; the config would silently"
-                " win. HINT: set them in the config (for example PStarConfig.from_flat(...) or dataclasses.replace)"
-                " or pass keywords only."
-            )
-        return config
+        return resolve_config(config, options, owner="PatrickStarStrategy", lightning=_LIGHTNING_ARGUMENTS)
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any] | PStarConfig, **lightning_args: Any) -> PatrickStarStrategy:
@@ -241,57 +188,24 @@ class PatrickStarStrategy(DDPStrategy):
         if self.is_global_zero and not self._warned_slow_bf16:
             self._warned_slow_bf16 = warn_if_slow_bf16(str(precision.precision), precision.device_type)
         module = self.lightning_module
-        refuse_unsupported_dtypes(module)
-        manager = ChunkManager(
+        self._manager, self._hooks = build_engine(
             module,
             config=self.config,
-            compute_dtype=precision.compute_dtype,
+            precision=precision,
             device=self.root_device,
-            precision=str(precision.precision),
-            comm=ChunkComm(
-                rank=self.global_rank,
-                world_size=self.world_size,
-                group=torch.distributed.group.WORLD if self.world_size > 1 else None,
-                cpu_group=self._cpu_group(),
-            ),
+            rank=self.global_rank,
+            world_size=self.world_size,
             local_world_size=self.num_processes,
             accumulates=trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1,
-        )  # plans and validates; nothing has changed yet
-        manager.materialise()
-        self._manager = manager
-        self._move_buffers(module)
-        self._hooks = ModelHooks(manager)
-        self._hooks.install()
+        )
         self.model = module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _cpu_group(self) -> Any | None:
-        """A gloo group beside an NCCL world, for collectives on host tensors (None where the world is gloo
-        already, or one rank). Every rank creates it here, in the same order."""
-        dist = torch.distributed
-        if self.world_size <= 1 or not dist.is_initialized() or dist.get_backend() == "gloo":
-            return None
-        return dist.new_group(backend="gloo")
-
     def _move_buffers(self, module: nn.Module) -> None:
-        """Put everything of the module that is not a parameter on the root device, and say so.
-
-        Parameters stay in chunks. Buffers move; parameter-free submodules (torchmetrics metrics, whose
-        states are not buffers) move with their own ``.to``; and Lightning's device bookkeeping
-        (``_DeviceDtypeModuleMixin._device``, read by ``pl_module.device``) is set to the root device, so
-        ``torch.arange(..., device=self.device)`` lands there. ``.dtype`` stays the fp32 of the weights'
-        truth (the masters), as Lightning's own mixed-precision strategies report it.
-        """
-        device = self.root_device
-        for mod in module.modules():
-            for name, buf in mod._buffers.items():
-                if buf is not None and buf.device != device:
-                    mod._buffers[name] = buf.to(device)
-        for mod in parameter_free_metrics(module):
-            mod.to(device)
-        _update_properties(module, device=device)
+        """Buffers and parameter-free submodules to the root device (see :func:`~lightning_pstar.glue.move_buffers`)."""
+        move_buffers(module, self.root_device)
 
     @override
     def model_to_device(self) -> None:
@@ -314,9 +228,7 @@ class PatrickStarStrategy(DDPStrategy):
                 " through an optimizer. HINT: return one, e.g. `return torch.optim.AdamW(self.parameters(),"
                 " lr=1e-3)` (torch.optim.Adam, AdamW or SGD)."
             )
-        manager = self._require_manager()
-        refuse_shared_parameters(self.optimizers, self.lightning_module)
-        self.optimizers = [ChunkedOptimizer(opt, manager) for opt in self.optimizers]
+        self.optimizers = wrap_optimizers(self.optimizers, self.lightning_module, self._require_manager())
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
@@ -435,8 +347,8 @@ class PatrickStarStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        if not isinstance(inner, ChunkedOptimizer):
+        inner = chunked_of(optimizer)
+        if inner is None:
             return super().optimizer_state(optimizer)
         if self._sharded:
             return {"state": {}, "param_groups": inner.state_dict(rank0_only=True)["param_groups"]}
@@ -447,54 +359,29 @@ class PatrickStarStrategy(DDPStrategy):
         if not self._sharded or self._manager is None:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        tensors = owned_tensors(self._manager)
-        for k, opt in enumerate(self.optimizers):
-            inner = getattr(opt, "_optimizer", opt)
-            if isinstance(inner, ChunkedOptimizer):
-                tensors.update(inner.owned_state_tensors(f"optim/{k}/"))
-        meta = sharded_meta(checkpoint, sharded_info(self._manager))
-        write_sharded(Path(filepath), meta=meta, tensors=tensors, rank=self.global_rank, barrier=self.barrier)
+        write_sharded_checkpoint(
+            self._manager, self.optimizers, checkpoint, Path(filepath), rank=self.global_rank, barrier=self.barrier
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         self._loading_from = path
-        if self.is_global_zero:
-            remove_leftovers(path.parent)  # what killed saves left beside it (only this package's entries)
-        self.barrier()
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        if (
-            "state_dict" not in checkpoint
-            and checkpoint
-            and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
-        ):
-            raise CheckpointError(
-                f"'{path}' holds a bare state_dict ({len(checkpoint)} tensors), not a Lightning checkpoint."
-                " HINT: load the weights before fit (`model.load_state_dict(torch.load(path))`) and call fit"
-                " without ckpt_path; ckpt_path takes a file written by trainer.save_checkpoint or ModelCheckpoint."
-            )
+        checkpoint = open_checkpoint(
+            path,
+            self.checkpoint_io,
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+            weights_only=weights_only,
+        )
+        refuse_bare_state_dict(checkpoint, path)
         return checkpoint
 
     def _check_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """Refuse optimizer states of another optimizer class before the model state changes."""
         if self.lightning_module is None or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             return
-        if checkpoint.get(SHARDED_KEY):
-            stored = stored_keys(Path(checkpoint[SHARDED_KEY]))
-            groups = checkpoint[INFO_KEY]["param_groups"]
-            states = [
-                ({key.rsplit("/", 1)[1] for key in stored if key.startswith(f"optim/{k}/")}, groups[k])
-                for k in range(len(groups))
-            ]
-        else:
-            states = [
-                ({f for entry in opt["state"].values() for f in entry}, opt["param_groups"])
-                for opt in checkpoint.get("optimizer_states", [])
-                if isinstance(opt, Mapping) and isinstance(opt.get("state"), Mapping)
-            ]
-        for k, (opt, (fields, groups)) in enumerate(zip(self.optimizers, states, strict=False)):
-            user = opt.user_optimizer if isinstance(opt, ChunkedOptimizer) else opt
-            check_optimizer_class(user, fields, groups, f"optimizer {k} state in the checkpoint")
+        check_optimizer_states(self.optimizers, checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -502,64 +389,25 @@ class PatrickStarStrategy(DDPStrategy):
             super().load_model_state_dict(checkpoint, strict=strict)
             return
         source = checkpoint.get(SHARDED_KEY) or getattr(self, "_loading_from", None) or "the checkpoint"
-        try:
-            self._check_optimizer_states(checkpoint)
-            if checkpoint.get(SHARDED_KEY):
-                path = Path(checkpoint[SHARDED_KEY])
-                load_owned_tensors(
-                    self._manager,
-                    stored_keys(path),
-                    lambda wanted: read_sharded_tensors(path, wanted),
-                    checkpoint.get("state_dict", {}),
-                )
-                return
-            load_full_state_dict(self._manager, checkpoint["state_dict"], strict=strict)
-        except (KeyError, ValueError) as err:
-            message = err.args[0] if err.args else str(err)
-            raise CheckpointError(f"cannot load '{source}': {message}") from err
+        load_model_state(
+            self._manager,
+            checkpoint,
+            strict=strict,
+            source=source,
+            before=lambda: self._check_optimizer_states(checkpoint),
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not checkpoint.get(SHARDED_KEY):
             super().load_optimizer_state_dict(checkpoint)
             return
-        path = Path(checkpoint[SHARDED_KEY])
-        stored = stored_keys(path)
-        groups = checkpoint[INFO_KEY]["param_groups"]
-        for k, opt in enumerate(self.optimizers):
-            inner = getattr(opt, "_optimizer", opt)
-            if isinstance(inner, ChunkedOptimizer):
-                inner.load_owned_state(
-                    stored, f"optim/{k}/", lambda wanted: read_sharded_tensors(path, wanted), groups[k]
-                )
+        load_sharded_optimizer_states(self.optimizers, checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
-
-    # ---- reporting ------------------------------------------------------------------------------------
-    def memory_report(self) -> MemoryReport:
-        """Bytes of chunks per tier, peak device bytes, transfer volume, evictions and chunk utilisation.
-
-        After the run has ended, the report as it stood at the end of the run.
-        """
-        if self._manager is None and self._final_report is not None:
-            return self._final_report
-        return self._require_manager().memory_report()
-
-    @property
-    def chunk_manager(self) -> ChunkManager:
-        """The engine behind this strategy (available once the Trainer has set it up)."""
-        return self._require_manager()
-
-    def _require_manager(self) -> ChunkManager:
-        if self._manager is None:
-            raise RuntimeError(
-                "The PatrickStar engine is not set up yet. HINT: call this after `trainer.fit/validate/test`"
-                " has started (e.g. in a callback) or after it has run."
-            )
-        return self._manager
 
     # ---- teardown -------------------------------------------------------------------------------------
     @override
@@ -574,44 +422,17 @@ class PatrickStarStrategy(DDPStrategy):
         except Exception as err:  # noqa: BLE001 - logged: the error being raised already is the user's
             log.warning("PatrickStar teardown after a failed run: %s: %s", type(err).__name__, err)
             self._hooks, self._manager = None, None
-            for step in (self.precision_plugin.teardown, self.checkpoint_io.teardown):
-                try:
-                    step()
-                except Exception as inner:  # noqa: BLE001
-                    log.warning("PatrickStar teardown after a failed run: %s: %s", type(inner).__name__, inner)
-            if self.accelerator is not None:
-                try:
-                    self.accelerator.teardown()
-                except Exception as inner:  # noqa: BLE001
-                    log.warning("PatrickStar teardown after a failed run: %s: %s", type(inner).__name__, inner)
+            quiet_teardown(self.precision_plugin, self.checkpoint_io, self.accelerator)
 
     def _teardown(self) -> None:
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
-        if self._manager is not None and self._failed and self._manager.world_size > 1:
-            # another rank may be stuck in (or gone from) a collective: no gathering now
-            self._final_report = self._manager.memory_report()
-            self._final_reports = None
+        manager, hooks = self._manager, self._hooks
+        self._hooks = None
+        if manager is not None:
+            end = hand_back(manager, hooks, self.optimizers, failed=self._failed)
             self._manager = None
-        if self._manager is not None:
-            # hand back an ordinary module (fp32 weights on CPU, as Lightning's own teardown leaves it) and
-            # the user's own optimizers holding the trained state, so that `trainer.save_checkpoint` after
-            # `fit` writes a complete checkpoint; the reports of the run stay readable (every rank is here)
-            self._final_report = self._manager.memory_report()
-            self._final_reports = self._manager.comm.all_gather_object(self._final_report)
-            chunked = [opt for opt in self.optimizers if isinstance(opt, ChunkedOptimizer)]
-            states = [opt.state_dict() for opt in chunked]
-            restore_module(self._manager, torch.device("cpu"))
-            self._manager = None
-            for opt, state in zip(chunked, states, strict=True):
-                opt.user_optimizer.load_state_dict(state)
-            self.optimizers = [
-                opt.user_optimizer if isinstance(opt, ChunkedOptimizer) else opt for opt in self.optimizers
-            ]
-            if self.world_size > 1 and torch.distributed.is_initialized():
-                # no rank leaves (and tears its process group down) while another still communicates
-                torch.distributed.barrier()
+            self._final_report, self._final_reports, self.optimizers = end.report, end.reports, end.optimizers
+        elif hooks is not None:
+            hooks.remove()
         super().teardown()
 
     @override
@@ -619,47 +440,7 @@ class PatrickStarStrategy(DDPStrategy):
         self._failed = True
         super().on_exception(exception)
 
-    _final_reports: list[MemoryReport] | None = None  # every rank's report, gathered at the last teardown
-
-    def memory_report_all(self) -> list[MemoryReport]:
-        """Every rank's report, in rank order.
-
-        While the Trainer runs (from the strategy's setup in ``fit``/``validate``/``test``/``predict`` to its
-        teardown) this is a collective: call it on every rank. After the run it returns the reports gathered
-        at teardown, as they stood at the end of the run, without communicating. After a run that ended with
-        an exception on several ranks nothing was gathered, and it raises (``memory_report()`` still works).
-        """
-        if self._manager is None and self._final_reports is not None:
-            return list(self._final_reports)
-        if self._manager is None and self._final_report is not None:
-            raise RuntimeError(
-                "The ranks' memory reports were not gathered: the run ended with an exception, and a rank may"
-                " have left its collectives. HINT: `memory_report()` returns this rank's report of that run."
-            )
-        manager = self._require_manager()
-        return manager.comm.all_gather_object(manager.memory_report())
-
-    @staticmethod
-    def format_rank_summary(reports: list[MemoryReport]) -> str:
-        """One line per rank and the totals, for rank 0 to print."""
-        fmt = format_bytes
-        lines = ["rank  model data   device chunks  host chunks  h2d        d2h        evictions"]
-        for r in reports:
-            lines.append(
-                f"{r.rank:>4}  {fmt(r.model_data_bytes):>11}  {fmt(r.device_chunk_bytes):>13}"
-                f"  {fmt(r.host_chunk_bytes):>11}  {fmt(r.h2d_bytes):>9}  {fmt(r.d2h_bytes):>9}  {r.evictions:>9}"
-            )
-        total = sum(r.model_data_bytes for r in reports)
-        lines.append(f"total model data over {len(reports)} ranks: {fmt(total)}")
-        return "\n".join(lines)
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        entries = (
-            (cls.strategy_name, "popen", "PatrickStar chunk-based memory management"),
-            ("patrickstar_spawn", "spawn", "PatrickStar, processes started with torch.multiprocessing (notebooks)"),
-        )
-        for name, start_method, description in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, start_method=start_method)
+        register_names(cls, strategy_registry)

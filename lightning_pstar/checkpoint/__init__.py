@@ -1,7 +1,7 @@
 """Checkpoints: crash-safe files, sharded stores (torch.distributed.checkpoint), model and optimizer state.
 
 - ``io``: atomic writes, checked loads whose errors name the file, removal of what killed saves left behind
-  (the Lightning ``CheckpointIO`` built on them lives in ``strategy.py``);
+  (the Lightning ``CheckpointIO`` built on them lives in ``lightning_pstar/checkpointing.py``);
 - ``integrity``: the checksums every checkpoint file carries, checked before it is read;
 - ``sharded``: the directory every rank writes in parallel, and ``consolidate`` (``cli``: its command);
 - ``model_state``: consolidated and sharded model state over the manager's parameter table.

@@ -1,0 +1,196 @@
+"""The checkpoint steps both glues call: crash-safe IO, sharded saves and loads, checks before any change.
+
+:class:`SafeCheckpointIO` is the ``CheckpointIO`` of both strategies (the Trainer's and Fabric's). The functions
+below are the strategies' checkpoint methods with the Lightning plumbing taken out: what to gather, what to
+write, what to check before the model or an optimizer changes. The formats are those of
+:mod:`lightning_pstar.checkpoint` (consolidated files are ordinary torch checkpoints; a sharded checkpoint is a
+directory with a ``torch.distributed.checkpoint`` store in which every rank writes what it owns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from lightning_pstar.checkpoint import (
+    INFO_KEY,
+    SHARDED_KEY,
+    CheckpointError,
+    is_sharded_checkpoint,
+    load_checkpoint_file,
+    load_full_state_dict,
+    load_owned_tensors,
+    owned_tensors,
+    read_sharded_meta,
+    read_sharded_tensors,
+    remove_checkpoint_path,
+    remove_leftovers,
+    save_checkpoint_file,
+    sharded_info,
+    sharded_meta,
+    stored_keys,
+    write_sharded,
+)
+from lightning_pstar.optim import ChunkedOptimizer
+from lightning_pstar.optim.state_dict import check_optimizer_class
+from lightning_pstar.runtime.manager import ChunkManager
+
+__all__ = [
+    "SafeCheckpointIO",
+    "check_optimizer_states",
+    "load_model_state",
+    "load_sharded_optimizer_states",
+    "open_checkpoint",
+    "refuse_bare_state_dict",
+    "write_sharded_checkpoint",
+]
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch checkpoint IO with atomic writes and clear errors on unreadable files.
+
+    A process killed in the middle of a save leaves the previous checkpoint intact, and a sharded checkpoint
+    directory loads as its checkpoint dict (the tensors stay in the store); see :mod:`lightning_pstar.checkpoint`.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
+        save_checkpoint_file(checkpoint, path)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        target = Path(path)
+        if is_sharded_checkpoint(target):
+            return read_sharded_meta(target)
+        return load_checkpoint_file(target, map_location=map_location, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        remove_checkpoint_path(path)
+
+
+def chunked_of(optimizer: Any) -> ChunkedOptimizer | None:
+    """The chunked optimizer behind a Lightning or Fabric wrapper (None for any other optimizer)."""
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    return inner if isinstance(inner, ChunkedOptimizer) else None
+
+
+def write_sharded_checkpoint(
+    manager: ChunkManager,
+    optimizers: Sequence[Any],
+    checkpoint: dict[str, Any],
+    path: Path,
+    *,
+    rank: int,
+    barrier: Callable[[], None],
+) -> None:
+    """Write ``checkpoint`` (Lightning's layout: ``optimizer_states`` in the order of ``optimizers``) as a sharded
+    directory; every rank writes the weights and optimizer states it owns. Called on every rank."""
+    tensors = owned_tensors(manager)
+    for k, opt in enumerate(optimizers):
+        chunked = chunked_of(opt)
+        if chunked is not None:
+            tensors.update(chunked.owned_state_tensors(f"optim/{k}/"))
+    meta = sharded_meta(checkpoint, sharded_info(manager))
+    write_sharded(path, meta=meta, tensors=tensors, rank=rank, barrier=barrier)
+
+
+def open_checkpoint(
+    path: Path,
+    io: Any,
+    *,
+    is_global_zero: bool,
+    barrier: Callable[[], None],
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Read a checkpoint (a sharded directory reads as its metadata), after rank 0 removed what killed saves
+    left beside it (only this package's entries). Called on every rank."""
+    if is_global_zero:
+        remove_leftovers(path.parent)
+    barrier()
+    return io.load_checkpoint(path, weights_only=weights_only)
+
+
+def refuse_bare_state_dict(checkpoint: Mapping[str, Any], path: Path) -> None:
+    """A Trainer ``ckpt_path`` must be a Lightning checkpoint, not a bare ``state_dict`` of tensors."""
+    if "state_dict" not in checkpoint and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        raise CheckpointError(
+            f"'{path}' holds a bare state_dict ({len(checkpoint)} tensors), not a Lightning checkpoint."
+            " HINT: load the weights before fit (`model.load_state_dict(torch.load(path))`) and call fit"
+            " without ckpt_path; ckpt_path takes a file written by trainer.save_checkpoint or ModelCheckpoint."
+        )
+
+
+def check_optimizer_states(optimizers: Sequence[Any], checkpoint: Mapping[str, Any]) -> None:
+    """Refuse optimizer states of another optimizer class (Lightning's layout) before anything changes."""
+    if checkpoint.get(SHARDED_KEY):
+        stored = stored_keys(Path(checkpoint[SHARDED_KEY]))
+        groups = checkpoint[INFO_KEY]["param_groups"]
+        states = [
+            ({key.rsplit("/", 1)[1] for key in stored if key.startswith(f"optim/{k}/")}, groups[k])
+            for k in range(len(groups))
+        ]
+    else:
+        states = [
+            ({f for entry in opt["state"].values() for f in entry}, opt["param_groups"])
+            for opt in checkpoint.get("optimizer_states", [])
+            if isinstance(opt, Mapping) and isinstance(opt.get("state"), Mapping)
+        ]
+    for k, (opt, (fields, groups)) in enumerate(zip(optimizers, states, strict=False)):
+        chunked = chunked_of(opt)
+        user = chunked.user_optimizer if chunked is not None else opt
+        check_optimizer_class(user, fields, groups, f"optimizer {k} state in the checkpoint")
+
+
+def load_model_state(
+    manager: ChunkManager,
+    checkpoint: Mapping[str, Any],
+    *,
+    strict: bool,
+    source: Any,
+    before: Callable[[], None] = lambda: None,
+) -> None:
+    """Load the weights of a checkpoint in Lightning's layout (``state_dict``, or a sharded store) into the
+    chunks. ``before`` runs the caller's own checks first; a mismatch raises a :class:`CheckpointError` naming
+    ``source``."""
+    try:
+        before()
+        if checkpoint.get(SHARDED_KEY):
+            path = Path(checkpoint[SHARDED_KEY])
+            load_owned_tensors(
+                manager,
+                stored_keys(path),
+                lambda wanted: read_sharded_tensors(path, wanted),
+                checkpoint.get("state_dict", {}),
+            )
+            return
+        load_full_state_dict(manager, checkpoint["state_dict"], strict=strict)
+    except (KeyError, ValueError) as err:
+        message = err.args[0] if err.args else str(err)
+        raise CheckpointError(f"cannot load '{source}': {message}") from err
+
+
+def load_sharded_optimizer_states(optimizers: Sequence[Any], checkpoint: Mapping[str, Any]) -> None:
+    """Load every chunked optimizer's states from a sharded checkpoint (this rank's share)."""
+    path = Path(checkpoint[SHARDED_KEY])
+    stored = stored_keys(path)
+    groups = checkpoint[INFO_KEY]["param_groups"]
+    for k, opt in enumerate(optimizers):
+        chunked = chunked_of(opt)
+        if chunked is not None:
+            chunked.load_owned_state(
+                stored, f"optim/{k}/", lambda wanted: read_sharded_tensors(path, wanted), groups[k]
+            )
