@@ -19,7 +19,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_pstar.checkpoint import restore_module
+from lightning_pstar.checkpoint import restore_family
 from lightning_pstar.config import PStarConfig, check_option_names
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import ChunkPrecision
@@ -27,6 +27,7 @@ from lightning_pstar.report import MemoryReport, format_bytes
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.setup_checks import parameter_free_metrics, refuse_shared_parameters, refuse_unsupported_dtypes
 
 __all__ = [
@@ -183,14 +184,27 @@ def hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Seque
         return EndOfRun(report=report, reports=None, optimizers=list(optimizers))
     reports = manager.comm.all_gather_object(report)
     chunked = [opt for opt in optimizers if isinstance(opt, ChunkedOptimizer)]
-    states = [opt.state_dict() for opt in chunked]
-    restore_module(manager, torch.device("cpu"))
-    for opt, state in zip(chunked, states, strict=True):
+    for opt, state in zip(chunked, _stream_back(manager, chunked), strict=True):
         opt.user_optimizer.load_state_dict(state)
     users = [opt.user_optimizer if isinstance(opt, ChunkedOptimizer) else opt for opt in optimizers]
     if manager.world_size > 1 and torch.distributed.is_initialized():
         torch.distributed.barrier()  # no rank leaves (and tears its process group down) while another communicates
     return EndOfRun(report=report, reports=reports, optimizers=users)
+
+
+def _stream_back(manager: ChunkManager, chunked: Sequence[ChunkedOptimizer]) -> list[dict[str, Any]]:
+    """Every optimizer's state dict (torch's layout) and the weights as ordinary CPU tensors, family by family:
+    a family's optimizer states and weights are copied out and its chunks freed before the next family is read,
+    so the host never holds the chunks and a second copy of the model data (issue 12). Same collectives in the
+    same order on every rank (each family: its optimizer's states, then its weights)."""
+    read: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in chunked]
+    for family in manager.families:
+        for opt, states in zip(chunked, read, strict=True):
+            if opt.state_io.covers(family):
+                states.update(opt.state_io.family_states(family))
+        restore_family(manager, family, torch.device("cpu"))
+    host_arena().release()
+    return [opt.state_io.assemble(states) for opt, states in zip(chunked, read, strict=True)]
 
 
 def format_rank_summary(reports: list[MemoryReport]) -> str:

@@ -25,6 +25,7 @@ from lightning_pstar.checkpoint.model_state import (
     load_owned_tensors,
     master_view,
     owned_tensors,
+    restore_family,
     restore_module,
     sharded_info,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "read_sharded_tensors",
     "remove_checkpoint_path",
     "remove_leftovers",
+    "restore_family",
     "restore_module",
     "save_checkpoint_file",
     "sharded_info",

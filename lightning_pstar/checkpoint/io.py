@@ -4,7 +4,8 @@ Every file is written to a temporary name in the same directory, fsynced and ren
 process killed in the middle of a save leaves the previous checkpoint intact (see [Note: publishing]);
 loading a truncated or corrupt file raises a :class:`CheckpointError` that names the file and what is wrong
 (:mod:`~lightning_pstar.checkpoint.integrity` checks the checksums written with it). The Lightning
-``CheckpointIO`` built on these functions lives in ``lightning_pstar/checkpointing.py`` (only the glue files import Lightning).
+``CheckpointIO`` built on these functions lives in ``lightning_pstar/checkpointing.py`` (only the glue files
+import Lightning).
 
 [Note: publishing]
 A new checkpoint becomes visible under its final name in one atomic step: ``rename(2)`` of a file or a symbolic

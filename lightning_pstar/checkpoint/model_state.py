@@ -27,6 +27,7 @@ __all__ = [
     "load_owned_tensors",
     "master_view",
     "owned_tensors",
+    "restore_family",
     "restore_module",
     "sharded_info",
 ]
@@ -223,18 +224,24 @@ def restore_module(manager: ChunkManager, device: torch.device) -> None:
     holds the chunks and a full copy of the model at once (issue 12: at most one family's copy beside the
     chunks still held). The idle pinned blocks the chunks leave are given back at the end.
     """
-    with torch.no_grad():
-        for family in manager.families:
-            if family.records:
-                flat = _family_for_restore(manager, family)
-                for record in family.records:
-                    value = flat[record.slot.offset : record.slot.offset + record.slot.numel]
-                    value = value.view(record.slot.shape).to(device=device, dtype=record.orig_dtype, copy=True)
-                    record.param.data = value
-                del flat
-            for chunk in family.chunks.values():
-                chunk.release()
+    for family in manager.families:
+        restore_family(manager, family, device)
     host_arena().release()
+
+
+def restore_family(manager: ChunkManager, family: ChunkFamily, device: torch.device) -> None:
+    """:func:`restore_module` for one family: its parameters get ordinary tensors and its chunks are freed (on
+    every rank, in the families' order; the caller gives the idle pinned blocks back once all are done)."""
+    with torch.no_grad():
+        if family.records:
+            flat = _family_for_restore(manager, family)
+            for record in family.records:
+                value = flat[record.slot.offset : record.slot.offset + record.slot.numel]
+                value = value.view(record.slot.shape).to(device=device, dtype=record.orig_dtype, copy=True)
+                record.param.data = value
+            del flat
+        for chunk in family.chunks.values():
+            chunk.release()
 
 
 def _family_for_restore(manager: ChunkManager, family: ChunkFamily) -> torch.Tensor:

@@ -353,6 +353,11 @@ class ChunkedOptimizer(Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    @property
+    def state_io(self) -> ChunkedStateDict:
+        """The state dicts' reader and writer (per family, for the hand-back at teardown)."""
+        return self._state_io
+
     def owned_state_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """``<prefix><index>/<field>`` -> tensor for the states this rank owns (a sharded save)."""
         return self._state_io.owned_state_tensors(prefix)

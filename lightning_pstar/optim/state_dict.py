@@ -99,6 +99,7 @@ class ChunkedStateDict:
         self._book = book
         self._param_groups = param_groups  # the user's optimizer's list (shared, never replaced)
         self._kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if book.is_adam else [ChunkKind.EXP_AVG]
+        self._record_indices: set[int] | None = None  # records of this optimizer's parameters (see covers)
 
     def _ordered_params(self) -> list[tuple[int, Any]]:
         """(index in torch's layout, parameter) over every group, in order."""
@@ -115,25 +116,42 @@ class ChunkedStateDict:
         ``rank0_only`` streams it to rank 0 alone, ``owned_only`` reads only this rank's families (no
         communication).
         """
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for family in self._manager.families:
+            out.update(self.family_states(family, rank0_only=rank0_only, owned_only=owned_only))
+        return out
+
+    def covers(self, family: ChunkFamily) -> bool:
+        """Whether a parameter of this optimizer lives in ``family`` (the same answer on every rank)."""
+        if self._record_indices is None:
+            manager, book = self._manager, self._book
+            self._record_indices = {
+                manager.record_of(p).index for _, p in self._ordered_params() if not book.is_host(p)
+            }
+        return any(record.index in self._record_indices for record in family.records)
+
+    def family_states(
+        self, family: ChunkFamily, *, rank0_only: bool = False, owned_only: bool = False
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """:meth:`record_states` of one family (one collective at several ranks unless ``owned_only``)."""
         manager = self._manager
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for family in manager.families:
-            if not family.trainable or not family.records:
-                continue
-            owned = manager.owns(family)
-            if owned_only and not owned:
-                continue
-            if manager.comm.distributed and not owned_only:
-                source = self._from_owner(family, owned=owned, rank0_only=rank0_only)
-                if source is None:
-                    continue  # rank0_only, and this is not rank 0
-                chunks, steps = source
-            else:
-                chunks = {k: family.chunks[k].data for k in self._kinds if owned and k in family.chunks}
-                steps = [self._book.record_step(r) for r in family.records]
-            for record, step in zip(family.records, steps, strict=True):
-                if step >= 0:
-                    out[record.index] = self._entry(record, chunks, step)
+        if not family.trainable or not family.records:
+            return out
+        owned = manager.owns(family)
+        if owned_only and not owned:
+            return out
+        if manager.comm.distributed and not owned_only:
+            source = self._from_owner(family, owned=owned, rank0_only=rank0_only)
+            if source is None:
+                return out  # rank0_only, and this is not rank 0
+            chunks, steps = source
+        else:
+            chunks = {k: family.chunks[k].data for k in self._kinds if owned and k in family.chunks}
+            steps = [self._book.record_step(r) for r in family.records]
+        for record, step in zip(family.records, steps, strict=True):
+            if step >= 0:
+                out[record.index] = self._entry(record, chunks, step)
         return out
 
     def _from_owner(
@@ -179,9 +197,13 @@ class ChunkedStateDict:
 
         ``rank0_only`` (what checkpoints use) streams the states to rank 0; other ranks get empty states.
         """
+        return self.assemble(self.record_states(rank0_only=rank0_only))
+
+    def assemble(self, record_states: Mapping[int, dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """torch's layout from the chunk states read by :meth:`record_states` / :meth:`family_states` (record
+        index -> state) and the states of host-resident parameters."""
         manager = self._manager
         book = self._book
-        record_states = self.record_states(rank0_only=rank0_only)
         state: dict[int, dict[str, Any]] = {}
         for index, p in self._ordered_params():
             if book.is_host(p):

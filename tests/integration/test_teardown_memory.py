@@ -76,3 +76,83 @@ def test_teardown_rss_rise_stays_below_two_chunk_families() -> None:
     assert figures["exact"]  # the module got its weights back, bit for bit
     assert figures["model_bytes"] > 10 * figures["family_bytes"]  # the model dominates: a full copy would show
     assert figures["rise"] < 2 * figures["family_bytes"], figures
+
+
+_SCRIPT_WITH_OPTIMIZER = textwrap.dedent(
+    """
+    import json
+    import torch
+    from torch import nn
+    from lightning_pstar.config import PStarConfig
+    from lightning_pstar.glue import hand_back
+    from lightning_pstar.optim import ChunkedOptimizer
+    from lightning_pstar.runtime.hooks import ModelHooks
+    from lightning_pstar.runtime.manager import ChunkManager
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    torch.manual_seed(0)
+    layers, width = 16, 1024
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])  # 16.8M parameters
+    capacity = width * width + width  # one layer per chunk family
+    manager = ChunkManager(
+        model, config=PStarConfig.from_flat(chunk_size=capacity), compute_dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    manager.materialise()
+    hooks = ModelHooks(manager)
+    hooks.install()
+    user = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = ChunkedOptimizer(user, manager)
+    manager.begin_training_batch()
+    with hooks.saved_tensors():
+        loss = model(torch.randn(4, width)).square().mean()
+    manager.begin_backward()
+    loss.backward()
+    manager.finish_backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    manager.end_warmup_if_recording()
+    expected_weights = [p.detach().clone() for p in model.parameters()]
+    expected_state = optimizer.state_dict()  # the reference (held before the measurement starts)
+    family_bytes = sum(c.nbytes for c in manager.families[0].chunks.values())
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    hand_back(manager, hooks, [optimizer], failed=False)
+    rise = status("VmHWM") - before
+    state = user.state_dict()
+    exact = all(torch.equal(p.detach(), e) for p, e in zip(model.parameters(), expected_weights, strict=True))
+    exact = exact and state["param_groups"] == expected_state["param_groups"]
+    for index, entry in expected_state["state"].items():
+        exact = exact and all(torch.equal(state["state"][index][k], v) for k, v in entry.items())
+    exact = exact and len(state["state"]) == len(expected_state["state"]) == 2 * layers
+    state_bytes = sum(v.numel() * v.element_size() for e in state["state"].values() for v in e.values())
+    print(json.dumps({"rise": rise, "family_bytes": family_bytes, "state_bytes": state_bytes, "exact": exact}))
+    """
+)
+
+
+@pytest.mark.skipif(not _clear_refs_allowed(), reason="/proc/self/clear_refs cannot reset VmHWM here")
+def test_hand_back_streams_the_optimizer_states_too() -> None:
+    """The hand-back at teardown gives the user's optimizer its states family by family with the weights: the
+    high-water mark rises by less than two families, where reading every state dict first rose by all the
+    optimizer states (8 bytes per parameter)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT_WITH_OPTIMIZER],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["exact"]  # weights and optimizer states handed back bit for bit
+    assert figures["state_bytes"] > 6 * figures["family_bytes"]  # a second copy of the states would show
+    assert figures["rise"] < 2 * figures["family_bytes"], figures
