@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from lightning_pstar.config import SUPPORTED_PRECISIONS, PStarConfig, parse_bytes
@@ -243,6 +244,7 @@ class _Settings:
     world_size: int
     chunk_elements: int | None  # None: auto
     cpu_embedding: bool
+    allocator_friendly: bool = False  # CUDA: the engine's pinned-host-friendly chunk sizes ([Note: pinned memory])
 
 
 def _settings(
@@ -256,6 +258,7 @@ def _settings(
     accumulate_grad_batches: int,
     cpu_embedding: bool,
     frozen_master: bool = True,
+    device_type: str | None = None,
 ) -> _Settings:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive int, got {world_size!r}. HINT: the number of ranks.")
@@ -265,6 +268,13 @@ def _settings(
     host_budget = parse_bytes(host_memory, name="host_memory")
     chunk_elements = PStarConfig.from_flat(chunk_size=chunk_size).chunks.elements  # the strategy's validation
     mixed = precision != "32-true"
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"  # where the strategy would run here
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"`device_type` must be 'cuda' or 'cpu', got {device_type!r}. HINT: the accelerator the run will use"
+            " ('cpu' is the simulated device); leave it unset for this machine's."
+        )
     return _Settings(
         precision=precision,
         optimizer=optimizer,
@@ -276,6 +286,7 @@ def _settings(
         world_size=world_size,
         chunk_elements=chunk_elements,
         cpu_embedding=cpu_embedding,
+        allocator_friendly=device_type == "cuda",
     )
 
 
@@ -296,7 +307,12 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         raise ValueError(f"The model {description!r} has no parameters. HINT: nothing to plan for PatrickStar.")
     bpe, ws, device = settings.bytes_per_element, settings.world_size, settings.device_budget
     layout = chunk_layout(
-        named, chunk_elements=settings.chunk_elements, device_budget=device, compute_itemsize=bpe.param, world_size=ws
+        named,
+        chunk_elements=settings.chunk_elements,
+        device_budget=device,
+        compute_itemsize=bpe.param,
+        world_size=ws,
+        allocator_friendly=settings.allocator_friendly,  # the engine's choice on the same device
     )
     embeddings = host_embedding_bytes(host, optimizer=bpe.optimizer)
     # offloaded model data starts its optimizer side (fp32 masters, grads, states) on the host, as the engine's
@@ -362,6 +378,7 @@ def plan_capacity(
     overrides: Mapping[str, Any] | None = None,
     search_largest: bool = True,
     scale: Scale | str = Scale.BOTH,
+    device_type: str | None = None,
 ) -> CapacityPlan:
     """Plan the chunks of ``target`` and say whether it fits ``device_memory`` + ``host_memory`` per rank.
 
@@ -369,7 +386,9 @@ def plan_capacity(
     (any of them built on the meta device; a module given as such is read, never copied). For a demo GPT,
     ``search_largest`` also finds the largest member of its family that fits, growing ``scale``.
     The other options are the strategy's (``chunk_size``, ``cpu_embedding``, ``frozen_master``) and the run's
-    (precision, optimizer, gradient accumulation, number of ranks); both budgets are per rank.
+    (precision, optimizer, gradient accumulation, number of ranks); both budgets are per rank. ``device_type``
+    ('cuda' or 'cpu', default: this machine's accelerator) picks the chunk sizes the engine picks there (on CUDA,
+    sizes that pinned host memory holds without rounding).
     """
     try:
         scale = Scale(scale)
@@ -388,6 +407,7 @@ def plan_capacity(
         accumulate_grad_batches=accumulate_grad_batches,
         cpu_embedding=cpu_embedding,
         frozen_master=frozen_master,
+        device_type=device_type,
     )
     module, description, gpt_config = build_meta_model(target, overrides=overrides)
     plan = _plan_module(module, description, settings)

@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", choices=[s.value for s in Scale], default=Scale.BOTH.value, help="largest search")
     parser.add_argument("--no-largest", action="store_true", help="skip the largest-model search")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--device-type",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="the accelerator the run will use (default: this machine's); cuda picks pinned-memory-friendly chunks",
+    )
     return parser
 
 
@@ -112,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides=dict(args.overrides),
             search_largest=not args.no_largest,
             scale=args.scale,
+            device_type=args.device_type,
         )
     except ValueError as err:
         parser.error(str(err))  # exits with status 2

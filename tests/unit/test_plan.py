@@ -445,3 +445,32 @@ def test_cli_bad_input_exits_with_status_2(argv: list[str], message: str, capsys
     err = capsys.readouterr().err
     assert "usage: python -m lightning_pstar.plan" in err
     assert re.search(message, err, flags=re.S), err
+
+
+@pytest.mark.parametrize("factory", [_tiny_gpt, _Tied])
+def test_a_cuda_plan_takes_the_engines_cuda_chunk_sizes(factory: Callable[[], nn.Module]) -> None:
+    """On CUDA the engine picks pinned-memory-friendly (power-of-two) chunk sizes; the planner asked for
+    ``device_type='cuda'`` predicts that layout, and ``'cpu'`` the simulated device's (issue 12: the numbers the
+    planner promises are the engine's)."""
+    from lightning_pstar.planning.requirements import chunk_layout, collect_parameters
+
+    named = collect_parameters(factory(), exclude=set())
+    expected = {}
+    for device_type in ("cuda", "cpu"):
+        layout = chunk_layout(
+            named,
+            chunk_elements=None,
+            device_budget=1 << 30,
+            compute_itemsize=2,
+            world_size=1,
+            allocator_friendly=device_type == "cuda",
+        )
+        plan = plan_capacity(
+            factory, device_memory="1GiB", host_memory="1GiB", search_largest=False, device_type=device_type
+        )
+        assert (plan.chunk_size, plan.num_chunks) == (layout.chunk_size, len(layout.chunks))
+        assert plan.chunk_utilisation == pytest.approx(layout.utilisation)
+        expected[device_type] = plan.chunk_size
+    assert expected["cuda"] & (expected["cuda"] - 1) == 0  # a power of two
+    with pytest.raises(ValueError, match="device_type"):
+        plan_capacity(factory, device_memory="1GiB", host_memory="1GiB", device_type="tpu")
