@@ -124,11 +124,12 @@ def test_graph_count_is_that_of_opaque_hooks(case: str) -> None:
         model, inputs = _five_linear(), torch.randn(4, 8)
     reference = copy.deepcopy(model)
     config = PStarConfig.from_flat(placement="static")
-    manager = ChunkManager(model, config=config, compute_dtype=torch.float32, device=torch.device("cpu"))
+    holder = nn.ModuleDict({"compiled": torch.compile(model)})  # as a LightningModule holding a compiled net
+    manager = ChunkManager(holder, config=config, compute_dtype=torch.float32, device=torch.device("cpu"))
     manager.materialise()
     hooks = ModelHooks(manager)
     hooks.install()
-    names = {id(m): name for name, m in model.named_modules()}
+    names = {id(m): name for name, m in model.named_modules()}  # the hooks are on the compiled net's modules
     hooked = {names[id(m)] for m in manager.module_records}
     assert hooked, "no module holds chunk parameters"
 
