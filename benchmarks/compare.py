@@ -64,7 +64,6 @@ import math
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -84,6 +83,9 @@ from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.demos import GPT, GPTConfig, GPTLightningModule, StdlibCharDataModule, gpt_num_params
 from lightning_pstar.demos.timing import StepTimer
 from lightning_pstar.planning import plan_capacity
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import free_port, importable_env, rank_env  # noqa: E402
 
 RUN_KEYS = (
     "auto",
@@ -310,26 +312,15 @@ class RunFailed(RuntimeError):
     """A rank of a run exited with an error; the message holds the ranks' output tails."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(spec: RunSpec, args: argparse.Namespace, raw_argv: list[str]) -> list[dict[str, Any]]:
     """Start one process per rank (torchrun's environment), wait for all, return the ranks' results."""
     workdir = Path(tempfile.mkdtemp(prefix="pstar_compare_"))
-    port = _free_port()
+    port = free_port()
     threads = args.threads or 1
-    repo_root = str(Path(__file__).resolve().parent.parent)
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
         for rank in range(spec.world_size):
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
-            if spec.world_size > 1:
-                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(spec.world_size))
-                env.update(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+            env = importable_env(dict(os.environ, **rank_env(rank, spec.world_size, port, threads)))
             cmd = [sys.executable, str(Path(__file__).resolve()), *raw_argv, "--worker", json.dumps(asdict(spec))]
             log = workdir / f"rank{rank}.log"
             with log.open("wb") as out:

@@ -36,17 +36,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import os
-import queue as queue_module
 import resource
-import socket
 import statistics
 import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import make_repo_importable, run_ranks  # noqa: E402
 
 STRATEGIES = ("patrickstar", "ddp", "fsdp")
 MAX_STEP_TIME_RATIO = 1.25
@@ -113,7 +110,7 @@ def _fsdp_module_class() -> type:
             super().configure_model()
             if any(hasattr(p, "to_local") for p in self.gpt.parameters()):
                 return  # already sharded (Lightning calls this hook again for validate/test)
-            mesh = self.device_mesh["data_parallel"]
+            mesh = self.device_mesh["data_parallel"]  # type: ignore[index]
             policy = (
                 MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                 if self.bf16
@@ -187,7 +184,7 @@ def train_rank(rank: int, args: argparse.Namespace, name: str) -> dict[str, Any]
     )
     trainer.fit(module, datamodule=datamodule)
 
-    gpt = module.gpt  # type: ignore[attr-defined]
+    gpt: Any = module.gpt
     params = list(gpt.parameters())  # the tied weight once
     if name == "fsdp":
         num_params = sum(p.numel() for p in params)  # DTensor.numel() is the global size
@@ -218,71 +215,14 @@ def train_rank(rank: int, args: argparse.Namespace, name: str) -> dict[str, Any]
     return result
 
 
-def _rank_main(rank: int, env: dict[str, str], args: argparse.Namespace, name: str, queue: Any) -> None:
-    os.environ.update(env)
-    try:
-        queue.put(("ok", rank, train_rank(rank, args, name)))
-    except BaseException:
-        queue.put(("error", rank, traceback.format_exc()))
-        raise
-
-
 # ---- the parent: one launch per run ----------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch(args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     """Run ``name`` on ``--world-size`` fresh spawn processes; every rank's result, in rank order."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = str(_free_port())
     world = args.world_size
-    procs = []
     print(f"running {name} on {world} ranks ({args.warmup} warm-up + {args.steps} measured steps) ...", flush=True)
-    for rank in range(world):
-        env = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "WORLD_SIZE": str(world),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
-            # Lightning's DDP-based strategies reset torch's thread count at setup unless this is set
-            "OMP_NUM_THREADS": str(args.threads),
-        }
-        proc = ctx.Process(target=_rank_main, args=(rank, env, args, name, queue), daemon=False)
-        proc.start()
-        procs.append(proc)
-    results: dict[int, dict[str, Any]] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while len(results) + len(errors) < world:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the {name} run did not finish within {RUN_TIMEOUT_S:.0f} s")
-            try:
-                status, rank, payload = queue.get(timeout=1.0)
-            except queue_module.Empty:  # check that every rank still lives
-                dead = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                if dead:
-                    raise SystemExit(f"the {name} run failed: exit codes by rank {dead}") from None
-                continue
-            (results if status == "ok" else errors)[rank] = payload
-            if errors:
-                detail = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
-                raise SystemExit(f"the {name} run failed:\n{detail}")
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [results[r] for r in range(world)]
+    return run_ranks(world, train_rank, (args, name), threads=args.threads, label=name, timeout_s=RUN_TIMEOUT_S)
 
 
 def summarise(name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -347,11 +287,7 @@ def _verdict(passed: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    # the children import the repository's package: make a plain checkout work without installing it
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    if repo_root not in sys.path:
-        sys.path.insert(0, repo_root)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
+    make_repo_importable()  # the children import the repository's package, installed or not
     tries: dict[str, list[dict[str, Any]]] = {name: [] for name in args.strategy_list}
     # interleaved (a, b, c, a, b, c, ...) so that a slow phase of the machine hits every strategy alike
     for _ in range(args.repeats):

@@ -32,6 +32,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import importable_env  # noqa: E402
+
 STRATEGIES = ("auto", "patrickstar")
 RESULT_PREFIX = "OVERHEAD_RESULT "
 MAX_STEP_TIME_RATIO = 1.10
@@ -201,10 +204,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
 def spawn(args: argparse.Namespace, strategy: str, argv: list[str]) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter and parse its result line."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", strategy]
-    env = dict(os.environ)
-    # Make the repository importable when the package is not installed (a plain checkout).
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
+    env = importable_env(dict(os.environ))  # a plain checkout works without installing the package
     if args.threads is not None:
         # Through the environment as well: Lightning's DDP-based strategies (PatrickStar among them) reset the
         # thread count at setup unless OMP_NUM_THREADS is set.

@@ -24,19 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import os
-import queue as queue_module
 import resource
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed import _free_port, _fsdp_module_class  # noqa: E402
+from _launch import make_repo_importable, run_ranks  # noqa: E402
+from distributed import _fsdp_module_class  # noqa: E402
 
 ONE_RANK = ("auto", "patrickstar")
 TWO_RANKS = ("ddp", "patrickstar", "fsdp")
@@ -153,6 +150,11 @@ def _meter_callback(meter: EngineMeter, warmup: int) -> Any:
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
             meter.active = i >= warmup
 
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
+        ) -> None:
+            meter.active = False  # what runs after the last step (the end of fit's state dict) is not a step's
+
     return Meter()
 
 
@@ -216,7 +218,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
         callbacks=[timer, _meter_callback(meter, args.warmup)],
     )
     trainer.fit(module, datamodule=datamodule)
-    params = list(module.gpt.parameters())  # type: ignore[attr-defined]
+    params = list(module.gpt.parameters())  # type: ignore[union-attr]
     num_params = sum(p.numel() for p in params)
     local = sum(p.to_local().numel() for p in params) if name == "fsdp" else num_params
     result: dict[str, Any] = {
@@ -241,58 +243,11 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
     return result
 
 
-def _rank_main(rank: int, world: int, env: dict[str, str], args: argparse.Namespace, run: tuple[str, int], q: Any):  # type: ignore[no-untyped-def]
-    os.environ.update(env)
-    try:
-        q.put(("ok", rank, train_rank(rank, world, args, *run)))
-    except BaseException:
-        q.put(("error", rank, traceback.format_exc()))
-        raise
-
-
 def launch(args: argparse.Namespace, world: int, name: str, n_layer: int) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    port = str(_free_port())
     print(f"running {name} on {world} rank(s), {n_layer} layers ...", flush=True)
-    procs = []
-    for rank in range(world):
-        env = {"OMP_NUM_THREADS": str(args.threads)}
-        if world > 1:
-            env.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                WORLD_SIZE=str(world),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                NODE_RANK="0",
-            )
-        proc = ctx.Process(target=_rank_main, args=(rank, world, env, args, (name, n_layer), q))
-        proc.start()
-        procs.append(proc)
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{name} ({world} ranks, {n_layer} layers) did not finish in {RUN_TIMEOUT_S:.0f} s")
-            try:
-                status, rank, payload = q.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                if dead:
-                    raise SystemExit(f"{name} failed: exit codes by rank {dead}") from None
-                continue
-            if status != "ok":
-                raise SystemExit(f"{name} failed on rank {rank}:\n{payload}")
-            results[rank] = payload
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [results[r] for r in range(world)]
+    label = f"{name} ({world} ranks, {n_layer} layers)"
+    return run_ranks(world, train_rank, (world, args, name, n_layer), threads=args.threads, label=label,
+                     timeout_s=RUN_TIMEOUT_S)  # fmt: skip
 
 
 def summarise(name: str, world: int, n_layer: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -336,10 +291,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    if repo_root not in sys.path:
-        sys.path.insert(0, repo_root)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
+    make_repo_importable()
     tries: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     for _ in range(args.repeats):  # interleaved, so a slow phase of the machine hits every run alike
         for n_layer in args.layer_list:

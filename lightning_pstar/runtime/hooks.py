@@ -27,6 +27,21 @@ slot then holds it in mixed precision) only after every node that saved it has r
 gradient is read from the fp32 master, and an optimizer step or load in between raises (as plain PyTorch
 raises for a weight modified in place). With several ranks a chunk is gathered only while one of its
 modules runs, so such a use is refused with an error naming the parameter.
+
+[Note: hooks under torch.compile]
+A compiled model (``torch.compile(lightning_module)`` or a compiled submodule) calls the module hooks from
+inside the code dynamo traces. Traced, they would break the graph wherever they touch engine state (the
+profiler check, storage resizes, the manager's dicts), several times per module, and every break leaves a
+resume function to trace and guard. So every forward hook is registered through ``torch.compiler.disable``:
+dynamo does not trace into it and ends the graph once at the call, the hook runs eagerly on the real tensors
+(its chunk moves and state transitions happen exactly as without compile), and the next graph starts after
+it. The saved-tensor hooks, which autograd calls from inside a compiled forward (dynamo would trace each call
+as a new frame and break at the tracer's storage probe), are disabled the same way. A compiled forward is
+then one graph per stretch of computation between two chunk-backed modules' boundaries, the floor for
+per-module hooks that move memory; the arithmetic inside each graph is the model's own. Gradient hooks run
+in the backward, which Lightning calls outside compiled code. The wrapper costs about a microsecond per
+call, so hooks are wrapped only when the model holds compiled code at setup (a compiled LightningModule or
+submodule); a function compiled some other way still trains correctly, with more graph breaks.
 """
 
 from __future__ import annotations
@@ -56,6 +71,18 @@ def _traced(name: str, fn: Any, *args: Any) -> Any:
         with torch.profiler.record_function(name):
             return fn(*args)
     return fn(*args)
+
+
+def _as_is(fn: Any) -> Any:
+    return fn
+
+
+def _holds_compiled_code(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled code: ``torch.compile`` of the LightningModule (Lightning keeps the
+    compile context on it) or of a submodule (an ``OptimizedModule`` in the tree)."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules())
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -119,27 +146,36 @@ class ModelHooks:
     def __init__(self, manager: ChunkManager) -> None:
         self.manager = manager
         self._handles: list[Any] = []
+        # [Note: hooks under torch.compile]: eager hooks when the model holds compiled code, else plain ones
+        self._eager: Any = torch.compiler.disable if _holds_compiled_code(manager.module) else _as_is
+        # autograd calls these from inside a compiled forward: dynamo must not trace them as frames
+        self._eager_pack = self._eager(self._pack)
+        self._eager_unpack = self._eager(self._unpack)
         self._stats_stash: dict[nn.Module, dict[str, torch.Tensor]] = {}  # BatchNorm parameters during its forward
         self._unpack_node: Any = None  # the autograd node unpacking saved weights now (held until the next)
         self._unpack_pins: set[int] = set()  # families it read from: not evicted while it runs
 
     def install(self) -> None:
+        add = self._add_module_hooks
         for index, (module, records) in enumerate(self.manager.module_records.items()):
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index, records)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(index, records)))
+            add(module, self._make_pre_forward(index, records), self._make_post_forward(index, records))
         for record in self.manager.records:
             if record.trainable:
                 self._handles.append(record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record)))
         if self.manager.mixed:
             for module in self.manager.module_records:
                 if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
-                    self._handles.append(module.register_forward_pre_hook(self._batchnorm_params_in_fp32))
-                    self._handles.append(module.register_forward_hook(self._batchnorm_params_back))
+                    add(module, self._batchnorm_params_in_fp32, self._batchnorm_params_back)
         host = {id(p) for p in self.manager.host_params.values()}
         for module in self.manager.module.modules():
             if isinstance(module, nn.Embedding) and id(module.weight) in host:
-                self._handles.append(module.register_forward_pre_hook(self._host_lookup_input))
-                self._handles.append(module.register_forward_hook(self._host_lookup_output))
+                add(module, self._host_lookup_input, self._host_lookup_output)
+
+    def _add_module_hooks(self, module: nn.Module, pre: Any, post: Any) -> None:
+        """Register a forward pre-hook and a forward hook that ``torch.compile`` runs eagerly ([Note: hooks
+        under torch.compile])."""
+        self._handles.append(module.register_forward_pre_hook(self._eager(pre)))
+        self._handles.append(module.register_forward_hook(self._eager(post)))
 
     # ---- cpu_embedding: the lookup runs on the host, only its output moves ------------------------------
     @staticmethod
@@ -187,7 +223,7 @@ class ModelHooks:
         """Around a training forward: saved weights by reference, and the warm-up's saved-tensor accounting."""
         self._unpack_node = None
         self._unpack_pins = set()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._eager_pack, self._eager_unpack):
             yield
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -266,6 +302,9 @@ class ModelHooks:
     def _make_pre_forward(self, index: int, records: Sequence[ParamRecord]) -> Any:
         manager = self.manager
 
+        def post_backward() -> None:
+            manager.post_backward(records)
+
         def pre_forward(module: nn.Module, args: Any) -> None:
             _traced("pstar::pre_forward", manager.pre_forward, records, index)
             if torch.is_grad_enabled():
@@ -273,21 +312,20 @@ class ModelHooks:
                 if inputs:
                     # fires once the module's backward has produced the gradient of its inputs: its
                     # chunks may move again (a tied weight waits for its gradient elsewhere, unpinned)
-                    self._register(inputs, lambda: manager.post_backward(records))
+                    self._register(inputs, post_backward)
 
         return pre_forward
 
     def _make_post_forward(self, index: int, records: Sequence[ParamRecord]) -> Any:
         manager = self.manager
 
+        def pre_backward() -> None:
+            _traced("pstar::pre_backward", manager.pre_backward, records, index)
+
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
             manager.post_forward(records, index, backward_follows=bool(outputs))
             if outputs:
-
-                def pre_backward() -> None:
-                    _traced("pstar::pre_backward", manager.pre_backward, records, index)
-
                 self._register(outputs, pre_backward)
 
         return post_forward

@@ -97,6 +97,7 @@ class ChunkManager:
         self._stepped = False  # an optimizer stepped since training started (the warm-up can end)
         self._module_names: list[str] = []  # by module index, for moment labels (built on first report)
         self._forward_versions: dict[int, list[int]] = {}  # module index -> its weights' versions at pre-forward
+        self._families_cache: dict[int, tuple[Sequence[ParamRecord], dict[int, ChunkFamily]]] = {}
         self._materialised = False
         # bumped whenever weights change (optimizer step, load): a weight autograd saved by reference
         # (hooks.py, saved tensors) must read the same version in backward
@@ -403,7 +404,7 @@ class ChunkManager:
         ``moment`` names the point of the iteration (for the warm-up trace and the plan that follows it);
         ``module`` the index of the module whose forward needs them (ZeRO: its place in the sweep).
         """
-        families = {r.family.family_id: r.family for r in records}
+        families = self._families_of(records)
         self.residency.close_step()  # a module runs: any optimizer step is over
         in_backward = self.phase is Phase.BACKWARD
         if moment is not None and moment[0] is MomentKind.BACKWARD:
@@ -415,9 +416,11 @@ class ChunkManager:
         if moment is not None and training:
             self.tracer.moment(moment[0], moment[1], tuple(families))
             self.residency.ensure_device_room(0, protect=protect)  # the tide: the room may have shrunk now
-        self.sharding.ensure_gathered(list(families.values()), protect, in_backward=in_backward, module=module)
+        sharding = self.sharding
+        if sharding.distributed:
+            sharding.ensure_gathered(list(families.values()), protect, in_backward=in_backward, module=module)
         for family in families.values():
-            if self.sharding.owns(family):
+            if sharding.owns(family):
                 self.residency.fetch(family, protect=protect)
         for record in records:
             record.set_state(new_state)
@@ -425,6 +428,18 @@ class ChunkManager:
             if moment is not None and self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
                 self.moment_chunk_bytes[self.tracer.cursor] = self.residency.device_used()
             self.residency.prefetch()
+
+    def _families_of(self, records: Sequence[ParamRecord]) -> dict[int, ChunkFamily]:
+        """The chunk families of ``records`` by id, in first-use order; computed once for the record lists of
+        ``module_records`` (fixed after setup, and what the hooks pass), afresh for any other list."""
+        cache = self._families_cache
+        if not cache:
+            for module_list in self.table.module_records.values():
+                cache[id(module_list)] = (module_list, {r.family.family_id: r.family for r in module_list})
+        cached = cache.get(id(records))
+        if cached is not None and cached[0] is records:
+            return cached[1]
+        return {r.family.family_id: r.family for r in records}
 
     def release(self, records: Sequence[ParamRecord], new_state: TensorState) -> None:
         """Move slots out of ``COMPUTE``; their chunks become evictable (remote ones: released) once no

@@ -405,3 +405,23 @@ def test_remove_hooks_cleanly() -> None:
     assert all(r.slot.state is TensorState.HOLD for r in manager.records)
     assert not any(r.grad_in_grad_chunk or r.grad_in_param_slot for r in manager.records)
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_hooks_run_eagerly_under_compile_only_when_the_model_holds_compiled_code(compiled: bool) -> None:
+    """[Note: hooks under torch.compile]: a model holding a compiled submodule gets hooks dynamo does not trace
+    (``torch.compiler.disable``); an eager model gets the plain hooks (the wrapper costs time on every call)."""
+    model = _mlp()
+    holder = nn.ModuleDict({"net": torch.compile(model) if compiled else model})
+    config = PStarConfig.from_flat(chunk_size=LAYER_CAP, placement="static")
+    manager = ChunkManager(holder, config=config, compute_dtype=torch.float32, device=CPU)
+    manager.materialise()
+    hooks = ModelHooks(manager)
+    hooks.install()
+    engine_hooks = [
+        h for m in manager.module_records for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+    ]
+    assert len(engine_hooks) == 2 * len(manager.module_records)
+    disabled = [bool(getattr(h, "_torchdynamo_disable", False)) for h in engine_hooks]
+    assert disabled == [compiled] * len(engine_hooks)
+    hooks.remove()
