@@ -311,7 +311,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         try:
             if torch.is_grad_enabled():
                 if not self._batch_open:
-                    self._refuse_stale_clipping()
+                    self._refuse_stale_clipping("a new training forward started")
                     manager.begin_training_batch()
                     self._batch_open = True
                 with hooks.saved_tensors(), out_of_memory_as_error(manager):
@@ -326,12 +326,12 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         finally:
             self._in_forward = False
 
-    def _refuse_stale_clipping(self) -> None:
+    def _refuse_stale_clipping(self, what: str) -> None:
         for opt in self._optimizers:
             policy = opt.gradient_policy
             if policy.clip_norm is not None or policy.clip_value is not None:
                 raise RuntimeError(
-                    "`fabric.clip_gradients(...)` was called and a new training forward started before"
+                    f"`fabric.clip_gradients(...)` was called and {what} before"
                     " `optimizer.step()`. PatrickStar clips inside the step, so the clipping would apply to other"
                     " gradients than those it was called for. HINT: call `fabric.clip_gradients` right before"
                     " `optimizer.step()`, after the last backward of the step."
@@ -340,6 +340,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         manager = self._require_manager()
+        self._refuse_stale_clipping("a new backward started")  # the norm clip_gradients returned would be stale
         manager.begin_backward()  # every rank is here: collectives may start
         with out_of_memory_as_error(manager):
             self.precision.pre_backward(tensor, module)
@@ -369,19 +370,20 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         return result
 
     @override
-    def clip_gradients_norm(  # type: ignore[override]
+    def clip_gradients_norm(
         self,
         module: nn.Module,
         optimizer: Optimizer,
         max_norm: float | int,
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
-    ) -> None:
-        """Clip the coming step's gradients to a global 2-norm of ``max_norm``.
+    ) -> Tensor:
+        """Clip the coming step's gradients to a global 2-norm of ``max_norm``; returns that norm, as plain Fabric
+        does (a 0-d fp32 CPU tensor, global over the ranks: call it on every rank).
 
-        The chunked optimizer computes the norm inside its step (the gradients live in chunks across tiers and
-        ranks), so this returns None where plain Fabric returns the norm: read it after the step with
-        :meth:`last_grad_norm`. A non-finite norm skips the step and, with ``error_if_nonfinite``, raises after it.
+        The norm is computed now, from the final gradients in the chunks; the chunked optimizer's step scales
+        them by it (the same value, not computed again). A non-finite norm skips the step and, with
+        ``error_if_nonfinite``, raises after it.
         """
         if float(norm_type) != 2.0:
             raise ValueError(
@@ -392,6 +394,8 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         chunked = self._chunked(optimizer)
         self.precision.clip_next_step(chunked, float(max_norm), by_norm=True)
         self._nonfinite_errors[id(chunked)] = error_if_nonfinite and not self.precision.uses_loss_scaling
+        self.precision.begin_step(chunked)  # the step's unscaling and inf check (it sets them again, the same)
+        return chunked.gradient_norm()
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:

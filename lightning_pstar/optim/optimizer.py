@@ -60,6 +60,15 @@ class StepResult:
     total_norm: float | None = None  # the global gradient norm, when clipping by norm
 
 
+@dataclass
+class _ReadNorm:
+    """What :meth:`ChunkedOptimizer.gradient_norm` read, for the coming step to use as it is (not read again)."""
+
+    on_host: dict[int, torch.Tensor]  # unscaled gradients of host-resident parameters (averaged over ranks)
+    finite: bool
+    total: torch.Tensor | None
+
+
 class ChunkedOptimizer(Optimizer):
     """Steps ``optimizer``'s hyper-parameters on the chunks of ``manager``."""
 
@@ -81,6 +90,7 @@ class ChunkedOptimizer(Optimizer):
         self._manager = manager
         self.gradient_policy = GradientPolicy()
         self.last_step = StepResult()
+        self._read_norm: _ReadNorm | None = None  # set by gradient_norm, used by the next step
         self._book = OptimizerBook(is_adam=isinstance(optimizer, torch.optim.Adam))  # AdamW subclasses Adam
         self._state_io = ChunkedStateDict(manager, self._book, self.param_groups)
         # family id -> how to step it as a whole, None where it cannot be (layout and groups are fixed)
@@ -118,11 +128,12 @@ class ChunkedOptimizer(Optimizer):
         self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         manager = self._manager
         manager.step_moment()
-        families = [f for f in self._families if any(r.grad for r in f.records if r.index in self._book.group_of)]
+        families = self._families_with_grads()
         with torch.profiler.record_function("pstar::optimizer_step"):
             self.last_step = StepResult()
-            on_host = host_grads(self._host_params(), manager.comm, self.gradient_policy.inv_scale)
-            coef = self._clip_coefficient(families, on_host)
+            read, self._read_norm = self._read_norm, None
+            on_host = read.on_host if read is not None else self._host_grads()
+            coef = self._clip_coefficient(families, on_host, read)
             if coef is None:
                 self.last_step = StepResult(skipped=True)
                 self.zero_grad()
@@ -134,13 +145,22 @@ class ChunkedOptimizer(Optimizer):
             self.zero_grad()
         return loss
 
-    def _clip_coefficient(self, families: list[ChunkFamily], on_host: dict[int, torch.Tensor]) -> float | None:
+    def _families_with_grads(self) -> list[ChunkFamily]:
+        return [f for f in self._families if any(r.grad for r in f.records if r.index in self._book.group_of)]
+
+    def _host_grads(self) -> dict[int, torch.Tensor]:
+        return host_grads(self._host_params(), self._manager.comm, self.gradient_policy.inv_scale)
+
+    def _clip_coefficient(
+        self, families: list[ChunkFamily], on_host: dict[int, torch.Tensor], read: _ReadNorm | None
+    ) -> float | None:
         """The clipping-by-norm factor for every gradient (1 without clipping), None when a gradient is not
-        finite and the policy checks (the step is skipped). Records the global norm when clipping."""
+        finite and the policy checks (the step is skipped). Records the global norm when clipping; ``read``:
+        the norm :meth:`gradient_norm` read from these gradients (used as it is)."""
         policy = self.gradient_policy
         if not policy.check_finite and policy.clip_norm is None:
             return 1.0
-        finite, total = self._global_norm(families, on_host)
+        finite, total = (read.finite, read.total) if read is not None else self._global_norm(families, on_host)
         if not finite:
             return None
         if policy.clip_norm is None or total is None:
@@ -323,6 +343,7 @@ class ChunkedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of this optimizer's parameters (weights overwritten by gradients are restored
         from the masters); another optimizer's gradients stay for its own step."""
+        self._read_norm = None
         self._manager.discard_grads(self._records)
         for p in self._host_params():
             p.grad = None
@@ -367,6 +388,22 @@ class ChunkedOptimizer(Optimizer):
     ) -> None:
         """Load a sharded checkpoint's optimizer states: the groups' hyper-parameters and this rank's states."""
         self.load_state_dict({"state": self._state_io.read_owned_state(stored, prefix, read), "param_groups": groups})
+
+    # ---- the gradient norm before the step ----------------------------------------------------------------
+    @torch.no_grad()
+    def gradient_norm(self) -> torch.Tensor:
+        """The global 2-norm of this optimizer's gradients as they are now (after the last backward), unscaled
+        with the gradient policy's ``inv_scale``: a 0-d fp32 CPU tensor (0 without gradients).
+
+        The same value the step computes (the same kernels and one host synchronisation); the next
+        :meth:`step` clips with this very value and does not read the gradients again. With several ranks
+        the norm is global (a collective): every rank calls it. Set the gradient policy first (the
+        precision plugin's ``begin_step``); a new backward before the step would make it stale.
+        """
+        read = self._host_grads()
+        finite, total = self._global_norm(self._families_with_grads(), read)
+        self._read_norm = _ReadNorm(on_host=read, finite=finite, total=total)
+        return total.clone() if total is not None else torch.zeros((), dtype=torch.float32)  # the caller's own
 
     def __repr__(self) -> str:
         return f"ChunkedOptimizer({type(self._user_optimizer).__name__}, groups={len(self.param_groups)})"

@@ -48,7 +48,7 @@ from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding, make_sharding
 from lightning_pstar.runtime.state import GradLocation, MicroBatch, Phase, TensorState, Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
-from lightning_pstar.runtime.warmup import end_warmup
+from lightning_pstar.runtime.warmup import check_before_warmup_step, end_warmup
 
 __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "ParamRecord"]
 
@@ -505,12 +505,18 @@ class ChunkManager:
 
     # ---- the optimizer step and the end of the warm-up -------------------------------------------------
     def step_moment(self) -> None:
-        """The optimizer step is a moment of its own (it accesses every trainable family)."""
-        self.residency.open_step(record=self.tracer.recording)
-        if self.phase.training:
+        """The optimizer step is a moment of its own (it accesses every trainable family). At the warm-up's, the
+        moments recorded so far must fit the device budget: refused before the step changes anything."""
+        training, recording = self.phase.training, self.tracer.recording
+        fids = tuple(f.family_id for f in self.families if f.trainable)
+        if training and recording:
+            self.tracer.moment(MomentKind.STEP, 0, fids)  # closes (measures) the last backward moment
+            check_before_warmup_step(self.tracer, self.residency, self.comm)
+        self.residency.open_step(record=recording)
+        if training:
             self.residency.note_step()
-            fids = tuple(f.family_id for f in self.families if f.trainable)
-            self.tracer.moment(MomentKind.STEP, 0, fids)
+            if not recording:
+                self.tracer.moment(MomentKind.STEP, 0, fids)
             if self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
                 self.moment_chunk_bytes[self.tracer.cursor] = self.residency.device_used()
 

@@ -16,16 +16,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding
 from lightning_pstar.runtime.state import Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
 from lightning_pstar.runtime.yardstick import PlacementProblem, Point, solve
 
-__all__ = ["end_warmup", "placement_problem"]
+__all__ = ["check_before_warmup_step", "end_warmup", "placement_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,38 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
         plan = residency.bounds.keep
         residency.policy.adopt_plan({t: plan[p] for t, p in problem.moment_point.items()})
     log.info("PatrickStar: the yardstick (bytes per iteration): %s", residency.bounds)
+
+
+def check_before_warmup_step(tracer: MemoryTracer, residency: Residency, comm: ChunkComm) -> None:
+    """At the warm-up's optimizer step, before it runs: the moments recorded so far (the forwards and backwards,
+    closed now) checked against the device budget as :func:`end_warmup` checks them, so a budget that holds the
+    chunks but not the activations is refused while the weights and optimizer states are still the initial
+    ones. Every rank calls it (the step is collective): with several ranks one collective makes all of them
+    raise together, so none waits forever for a rank that stopped."""
+    budget = residency.device_budget
+    if budget is None or residency.policy.name != "auto":
+        return
+    families = residency.families
+
+    def chunk_bytes(fids: Sequence[int]) -> int:
+        return sum(families[f].param_chunk.nbytes for f in fids)
+
+    error: MemoryBudgetError | None = None
+    try:
+        _check_trace_fits(tracer, tracer.trace.device_need(chunk_bytes), budget)
+    except MemoryBudgetError as err:
+        error = err
+    if comm.distributed:
+        flag = torch.tensor([0.0 if error is None else 1.0])
+        comm.all_reduce_max_(flag)
+        if error is None and flag.item() > 0:
+            error = MemoryBudgetError(
+                "device_memory_limit is too small for this model's iteration on another rank (its error names the"
+                " moment and the figures); the optimizer step did not run. HINT: raise device_memory_limit, lower"
+                " the batch size or chunk_size, or use activation checkpointing."
+            )
+    if error is not None:
+        raise error
 
 
 def placement_problem(tracer: MemoryTracer, residency: Residency, budget: int) -> PlacementProblem | None:

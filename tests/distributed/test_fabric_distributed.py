@@ -81,6 +81,8 @@ def test_fabric_parity_with_ddp_at_two_ranks(tmp_path: Path) -> None:
         print(f"fabric rank {rank}: max relative loss difference against ddp {diff:.3e}")
         assert len(r["got"]) == COMMON["steps"] * COMMON["accumulate"]
         assert diff <= LOSS_RTOL, f"rank {rank}: {r['got']} vs ddp {r['ref']}"
+        # what fabric.clip_gradients returned at every step (global over the ranks), against DDP's
+        assert len(r["got_norms"]) == len(r["ref_norms"]) == COMMON["steps"]
         assert r["got_norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
         assert any(n > COMMON["clip_norm"] for n in r["ref_norms"])
         assert r["got_eval"] == pytest.approx(r["ref_eval"], rel=LOSS_RTOL)

@@ -128,17 +128,17 @@ def _loop(fabric: Fabric, spec: LoopSpec) -> LoopResult:
                 loss = lm_loss(model(x), y)
                 fabric.backward(loss / spec.accumulate)
             result.losses.append(float(loss.detach()))
-        norm = None
         if spec.clip_norm is not None:
             norm = fabric.clip_gradients(model, optimizer, max_norm=spec.clip_norm)
+            assert isinstance(norm, torch.Tensor) and norm.ndim == 0, f"clip_gradients returned {norm!r}"
+            result.grad_norms.append(float(norm))  # what clip_gradients returned, before the step
         if spec.clip_val is not None:
             fabric.clip_gradients(model, optimizer, clip_val=spec.clip_val)
         result.lrs.append(float(optimizer.param_groups[0]["lr"]))
         optimizer.step()
-        if spec.clip_norm is not None:
-            # PatrickStar computes the norm inside the step (plain Fabric returns it from clip_gradients)
-            norm = norm if norm is not None else fabric.strategy.last_grad_norm(optimizer)  # type: ignore[attr-defined]
-            result.grad_norms.append(float(norm))
+        if spec.clip_norm is not None and isinstance(fabric.strategy, PatrickStarFabricStrategy):
+            # the step clipped with the very norm clip_gradients returned
+            assert fabric.strategy.last_grad_norm(optimizer) == result.grad_norms[-1]
         optimizer.zero_grad()
         if scheduler is not None:
             scheduler.step()

@@ -135,16 +135,40 @@ def test_sharded_directory_in_plain_lightning_and_the_fix(tmp_path: Path) -> Non
         assert text in section, text
 
 
+class _CountSteps(L.Callback):
+    """Counts the optimizer steps that ran to their end (torch's step post-hooks) and keeps the optimizer."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.optimizer: Any = None
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.optimizer = trainer.optimizers[0]
+        self.optimizer.register_step_post_hook(self._count)
+
+    def _count(self, *args: Any) -> None:
+        self.steps += 1
+
+
 def test_budget_that_fits_the_chunks_but_not_the_activations_is_named() -> None:
-    """Refused with the figures of the moment that does not fit. [Not yet at setup: no batch exists then, and the
-    planner has no activation estimate; the check runs at the end of the warm-up step (runtime/warmup.py).]"""
+    """Refused with the figures of the moment that does not fit, before the warm-up's optimizer step changes the
+    weights or the optimizer states. [Not yet at setup: no batch exists then, and the planner has no activation
+    estimate; the check runs when the warm-up's step begins, on the moments recorded (runtime/warmup.py).]"""
     import re
 
     budget = 64 * 1024
     module = TinyLM()
-    trainer = make_trainer(strategy=PatrickStarStrategy(chunk_size=1024, device_memory_limit=budget), max_steps=2)
+    before = _snapshot(module)
+    steps = _CountSteps()
+    strategy = PatrickStarStrategy(chunk_size=1024, device_memory_limit=budget)
+    trainer = make_trainer(strategy=strategy, max_steps=2, callbacks=[steps])
     with pytest.raises(MemoryBudgetError, match=r"device_memory_limit.*non-model memory \(activations\).*HINT") as info:
         trainer.fit(module, make_loader(n_seq=48, batch_size=48))
+    assert steps.optimizer is not None and steps.steps == 0, "raised after an optimizer step"
+    assert not steps.optimizer.user_optimizer.state, "the optimizer states changed"
+    after = module.state_dict()
+    for name, value in before.items():
+        assert torch.equal(after[name].detach().cpu().to(value.dtype), value), f"{name} changed"
     message = str(info.value)
     chunks = int(re.search(r"chunks needed then take ([\d,]+) bytes", message)[1].replace(",", ""))  # type: ignore[index]
     activations = int(re.search(r"measured ([\d,]+) bytes", message)[1].replace(",", ""))  # type: ignore[index]

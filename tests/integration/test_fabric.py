@@ -23,8 +23,14 @@ from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import tests.helpers.fabric_loop as loop
-from lightning_pstar import LossScaleConfig, PatrickStarFabricPrecision, PatrickStarFabricStrategy, PatrickStarStrategy
-from lightning_pstar.checkpoint import CheckpointError, consolidate
+from lightning_pstar import (
+    LossScaleConfig,
+    MemoryBudgetError,
+    PatrickStarFabricPrecision,
+    PatrickStarFabricStrategy,
+    PatrickStarStrategy,
+)
+from lightning_pstar.checkpoint import CheckpointError, consolidate, full_state_dict
 from lightning_pstar.demos import GPT, GPTConfig
 from tests.helpers.asserts import assert_states_close, assert_states_equal, max_rel_diff
 from tests.helpers.fabric_loop import LoopResult, LoopSpec, batches, build_optimizer, train
@@ -70,6 +76,8 @@ def test_parity_32_true(features: dict[str, object]) -> None:
     ref, got = _parity(**features)
     if features.get("clip_norm"):
         clip = float(features["clip_norm"])  # type: ignore[arg-type]
+        # what fabric.clip_gradients returned at every step (a tensor, checked by the loop), against plain Fabric's
+        assert len(got.grad_norms) == len(ref.grad_norms) == len(got.lrs) > 0
         assert got.grad_norms == pytest.approx(ref.grad_norms, rel=1e-5)
         assert any(n > clip for n in ref.grad_norms), f"clipping never active: {ref.grad_norms}"
     if features.get("scheduler"):
@@ -265,6 +273,8 @@ def test_unsupported_uses_raise_before_training() -> None:
     fabric.clip_gradients(model, optimizer, max_norm=1.0)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="clip_gradients.*before.*optimizer.step"):
         model(x)  # type: ignore[operator]
+    with pytest.raises(RuntimeError, match="clip_gradients.*a new backward started before.*optimizer.step"):
+        fabric.backward(loss)  # the norm clip_gradients returned would not be the gradients' the step clips
     optimizer.step()  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="fabric.backward"):
         lm_loss(model(x), x).backward()  # type: ignore[operator]
@@ -345,3 +355,24 @@ def test_16_mixed_loss_scaling_matches_plain_grad_scaler(monkeypatch: pytest.Mon
     assert skipped <= (FP16_FACTOR + 1) * noise, f"with skipped steps: {got.losses} vs plain fp16 {plain.losses}"
     print(f"fabric 16-mixed: {mine:.3e} from 32-true (plain fp16: {noise:.3e});", end=" ")
     print(f"{ours.skipped_steps} steps skipped, {skipped:.3e} from plain fp16")
+
+
+def test_budget_that_fits_the_chunks_but_not_the_activations_is_refused_before_the_step() -> None:
+    """Issue 14 under Fabric: the warm-up's step refuses the budget before it changes weights or optimizer states."""
+    budget = 32 * 1024  # the chunks of any module fit; FlatGPT's activations do not
+    strategy = PatrickStarFabricStrategy(chunk_size=1024, device_memory_limit=budget)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(FlatGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    before = {k: v.clone() for k, v in full_state_dict(strategy.chunk_manager).items()}
+    stepped: list[int] = []
+    optimizer.register_step_post_hook(lambda *args: stepped.append(1))
+    x, y = next(batches(1, 0))
+    fabric.backward(lm_loss(model(x), y))
+    with pytest.raises(MemoryBudgetError, match=r"device_memory_limit.*non-model memory \(activations\).*HINT"):
+        optimizer.step()
+    assert stepped == [], "raised after the optimizer step"
+    assert optimizer.state_dict()["state"] == {}, "the optimizer states changed"
+    assert_states_equal(full_state_dict(strategy.chunk_manager), before, what="weights after the refused step")
