@@ -13,12 +13,14 @@ gathered to rank 0, resume bit for bit, and
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from launch import run_isolated, run_ranks
+from launch import free_port, run_commands, run_isolated, run_ranks
 
 from lightning_pstar import PatrickStarFabricStrategy
 from tests.helpers.asserts import LOSS_RTOL, assert_states_close, assert_states_equal, max_rel_diff
@@ -104,3 +106,30 @@ def _spawned() -> list[float]:
     """For ``run_isolated``: the same loop on 2 ranks started by ``patrickstar_spawn`` (rank 0's losses)."""
     torch.set_num_threads(1)
     return train(LoopSpec(strategy="patrickstar_spawn", local_result=False, **COMMON)).losses
+
+
+@pytest.mark.slow
+def test_fabric_two_nodes_match_one_node_with_two_processes(tmp_path: Path) -> None:
+    """Two "nodes" started as separate programs with a scheduler's environment (``NODE_RANK``, ``LOCAL_RANK=0``,
+    ``WORLD_SIZE=2``), ``Fabric(num_nodes=2, devices=1)``: every rank's losses and returned gradient norms equal
+    those of a one-node, two-process run of the same loop (the same rank layout, so the same arithmetic)."""
+    script = str(Path(__file__).resolve().parent / "fabric_two_nodes_main.py")
+    nodes, local = tmp_path / "nodes", tmp_path / "local"
+    nodes.mkdir()
+    local.mkdir()
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    command = [sys.executable, script, str(nodes), "2", "1"]
+    outcomes = run_commands([command, command], [{**base, "NODE_RANK": "0"}, {**base, "NODE_RANK": "1"}])
+    assert [o.exitcode for o in outcomes] == [0, 0]
+    one_node = run_commands([[sys.executable, script, str(local), "1", "2"]], [{}])
+    assert [o.exitcode for o in one_node] == [0]
+    for rank in range(WORLD):
+        got = json.loads((nodes / f"rank{rank}.json").read_text())
+        want = json.loads((local / f"rank{rank}.json").read_text())
+        assert (got["rank"], got["world_size"], got["node_rank"]) == (rank, WORLD, rank)
+        assert want["node_rank"] == 0
+        assert len(got["losses"]) == 3 * 2
+        assert got["losses"] == want["losses"], f"rank {rank}: two nodes {got['losses']} vs one node"
+        assert got["norms"] == want["norms"]
+    first = json.loads((nodes / "rank0.json").read_text())["losses"]
+    assert first != json.loads((nodes / "rank1.json").read_text())["losses"]  # the ranks saw different data

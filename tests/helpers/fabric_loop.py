@@ -30,6 +30,7 @@ class LoopSpec:
     strategy: Any = "auto"
     precision: str = "32-true"
     devices: int = 1
+    num_nodes: int = 1
     steps: int = 3
     accumulate: int = 1
     clip_norm: float | None = None
@@ -89,7 +90,13 @@ def _state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor]:
 def train(spec: LoopSpec) -> LoopResult:
     """Run the loop on every rank (in this process, or in the processes a spawn launcher starts: then rank 0's
     result comes back, losses only); see the module docstring."""
-    fabric = Fabric(accelerator="cpu", devices=spec.devices, strategy=spec.strategy, precision=spec.precision)
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=spec.devices,
+        num_nodes=spec.num_nodes,
+        strategy=spec.strategy,
+        precision=spec.precision,
+    )
     return fabric.launch(_loop, spec)
 
 
