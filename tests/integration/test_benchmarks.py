@@ -127,3 +127,22 @@ def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
         assert 0 < row["chunk_utilisation"] <= 1 and row["bytes_per_param"] > 0
         assert (row["collectives_per_step"] > 0) == (world == 2)
     assert rows[2]["bytes_per_param"] < rows[1]["bytes_per_param"]  # ZeRO: each rank keeps its own families
+
+
+def test_pinned_waste_counts_the_rounding_the_cuda_layout_avoids() -> None:
+    """``benchmarks/pinned_waste.py`` (the README's pinned-memory figures): on CUDA's power-of-two chunks the
+    host allocator rounds nothing, and the searched layout's rounding is what the table adds."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import pinned_waste
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    row = pinned_waste.measure(2, 256)
+    searched, cuda = row["searched"], row["cuda"]
+    assert cuda["rounding_bytes"] == 0
+    assert cuda["pinned_bytes"] == cuda["chunk_bytes"]
+    assert cuda["chunk_size"] & (cuda["chunk_size"] - 1) == 0
+    assert searched["pinned_bytes"] == searched["chunk_bytes"] + searched["rounding_bytes"]
+    for size in pinned_waste.KIND_ITEMSIZES:  # the rounding is the next power of two of each buffer
+        nbytes = searched["chunk_size"] * size
+        assert pinned_waste.rounding_waste(nbytes) == (1 << (nbytes - 1).bit_length()) - nbytes
