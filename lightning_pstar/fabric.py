@@ -183,7 +183,6 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         self._optimizers: list[ChunkedOptimizer] = []
         self._batch_open = False  # a training forward ran and its backward has not
         self._in_forward = False
-        self._nonfinite_errors: dict[int, bool] = {}  # id(chunked optimizer) -> error_if_nonfinite of its clip
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -352,8 +351,6 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         manager = self._require_manager()
-        chunked = chunked_of(optimizer)
-        raise_nonfinite = self._nonfinite_errors.pop(id(chunked), False)
         with out_of_memory_as_error(manager):
             result = self.precision.optimizer_step(optimizer, **kwargs)
         self._batch_open = False  # a forward after a step starts a micro-batch, even if no backward came between
@@ -361,12 +358,6 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
             manager.end_warmup_if_recording()  # one step per iteration: the warm-up ends with it
         else:
             manager.optimizer_stepped()  # several optimizers may step per iteration
-        if raise_nonfinite and chunked is not None and chunked.last_step.skipped:
-            raise RuntimeError(
-                "The total norm of order 2.0 for gradients is non-finite, so it cannot be clipped; the step was"
-                " skipped and the weights are unchanged. HINT: check the loss and the data for inf/nan, or pass"
-                " `error_if_nonfinite=False` to `fabric.clip_gradients` to skip such steps silently."
-            )
         return result
 
     @override
@@ -382,8 +373,9 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         does (a 0-d fp32 CPU tensor, global over the ranks: call it on every rank).
 
         The norm is computed now, from the final gradients in the chunks; the chunked optimizer's step scales
-        them by it (the same value, not computed again). A non-finite norm skips the step and, with
-        ``error_if_nonfinite``, raises after it.
+        them by it (the same value, not computed again). A non-finite norm raises here with
+        ``error_if_nonfinite`` (as plain Fabric; the coming step, if called, is skipped and changes nothing);
+        under loss scaling (16-mixed) it skips the step and lowers the scale instead.
         """
         if float(norm_type) != 2.0:
             raise ValueError(
@@ -393,9 +385,16 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         self._check_clip("max_norm", max_norm)
         chunked = self._chunked(optimizer)
         self.precision.clip_next_step(chunked, float(max_norm), by_norm=True)
-        self._nonfinite_errors[id(chunked)] = error_if_nonfinite and not self.precision.uses_loss_scaling
         self.precision.begin_step(chunked)  # the step's unscaling and inf check (it sets them again, the same)
-        return chunked.gradient_norm()
+        norm = chunked.gradient_norm()
+        if error_if_nonfinite and not self.precision.uses_loss_scaling and not bool(torch.isfinite(norm)):
+            chunked.skip_next_step()  # nothing is clipped by a nan: a step called anyway leaves the weights
+            raise RuntimeError(
+                f"The total norm of order 2.0 for gradients is non-finite ({float(norm)}), so it cannot be clipped;"
+                " the weights are unchanged (a following `optimizer.step()` is skipped). HINT: check the loss and"
+                " the data for inf/nan, or pass `error_if_nonfinite=False` to `fabric.clip_gradients`."
+            )
+        return norm
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:

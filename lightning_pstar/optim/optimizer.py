@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -404,6 +404,12 @@ class ChunkedOptimizer(Optimizer):
         finite, total = self._global_norm(self._families_with_grads(), read)
         self._read_norm = _ReadNorm(on_host=read, finite=finite, total=total)
         return total.clone() if total is not None else torch.zeros((), dtype=torch.float32)  # the caller's own
+
+    def skip_next_step(self) -> None:
+        """Make the coming step a skipped one (gradients zeroed, weights and states kept), as for a non-finite
+        gradient: what a caller that refused the norm :meth:`gradient_norm` read leaves behind."""
+        if self._read_norm is not None:
+            self._read_norm = replace(self._read_norm, finite=False)
 
     def __repr__(self) -> str:
         return f"ChunkedOptimizer({type(self._user_optimizer).__name__}, groups={len(self.param_groups)})"

@@ -376,3 +376,22 @@ def test_budget_that_fits_the_chunks_but_not_the_activations_is_refused_before_t
     assert stepped == [], "raised after the optimizer step"
     assert optimizer.state_dict()["state"] == {}, "the optimizer states changed"
     assert_states_equal(full_state_dict(strategy.chunk_manager), before, what="weights after the refused step")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "patrickstar"])
+def test_non_finite_norm_raises_in_clip_gradients_and_changes_nothing(strategy: str) -> None:
+    """As plain Fabric: with ``error_if_nonfinite`` (the default) a non-finite norm raises inside
+    ``clip_gradients``, before any step; under PatrickStar a step called anyway is skipped (weights kept)."""
+    fabric, model, optimizer = _set_up(strategy)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
+    x = torch.randint(0, 32, (2, 8))
+    fabric.backward(lm_loss(model(x), x) * float("inf"))  # type: ignore[operator]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)  # type: ignore[arg-type]
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
+    assert_states_equal(after, before, what=f"{strategy}: weights after the refused clip")
+    if strategy == "patrickstar":
+        optimizer.step()  # type: ignore[attr-defined]
+        stepped = {n: p.detach().clone() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
+        assert_states_equal(stepped, before, what="patrickstar: a step after the refused clip is skipped")
+        assert all(torch.isfinite(p).all() for p in stepped.values())
