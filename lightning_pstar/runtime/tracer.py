@@ -125,11 +125,10 @@ class CudaAllocatorStats:
 
     def restore_peak(self, target: int) -> None:
         """Raise the peak counter to ``target`` if it is lower (see [Note: peak counter])."""
-        missing = target - max(self.peak(), self.allocated())
-        if missing <= 0:
+        if self.peak() >= target:
             return
         try:
-            self._allocate_and_free(missing)
+            self._allocate_and_free(target - self.allocated())  # on top of what is allocated now
         except torch.OutOfMemoryError:
             log.debug("PatrickStar: the CUDA peak counter could not be restored to %d bytes", target)
 

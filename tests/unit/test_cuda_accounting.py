@@ -159,3 +159,19 @@ def test_the_strategy_turns_an_out_of_memory_in_a_step_into_a_budget_error() -> 
     data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
     with pytest.raises(MemoryBudgetError, match=r"ran out of memory during .*device_memory_limit 1,048,576 bytes"):
         trainer.fit(_Exploding(), data)
+
+
+def test_restore_peak_reaches_the_users_peak_from_below_it() -> None:
+    """A user's peak of 5000 bytes, a reset that leaves the counter at 3000 with 1000 allocated: restoring
+    raises it to 5000 exactly (one allocation on top of what is allocated), and a higher counter stays."""
+    fake = _FakeAllocator()
+    fake.allocate(5000)
+    fake.free(4000)  # allocated 1000, peak 5000: the user's reading
+    fake.reset_peak()
+    fake.allocate(2000)
+    fake.free(2000)  # the warm-up's moments: peak 3000 since the reset
+    assert (fake.peak(), fake.allocated()) == (3000, 1000)
+    fake.restore_peak(5000)
+    assert (fake.peak(), fake.allocated()) == (5000, 1000)
+    fake.restore_peak(4000)
+    assert fake.peak() == 5000
