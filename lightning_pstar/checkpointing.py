@@ -135,7 +135,8 @@ def refuse_bare_state_dict(checkpoint: Mapping[str, Any], path: Path) -> None:
 
 
 def check_optimizer_states(optimizers: Sequence[Any], checkpoint: Mapping[str, Any]) -> None:
-    """Refuse optimizer states of another optimizer class (Lightning's layout) before anything changes."""
+    """Refuse optimizer states of another optimizer class or other param groups (Lightning's layout) before
+    anything changes."""
     if checkpoint.get(SHARDED_KEY):
         stored = stored_keys(Path(checkpoint[SHARDED_KEY]))
         groups = checkpoint[INFO_KEY]["param_groups"]
@@ -153,6 +154,11 @@ def check_optimizer_states(optimizers: Sequence[Any], checkpoint: Mapping[str, A
         chunked = chunked_of(opt)
         user = chunked.user_optimizer if chunked is not None else opt
         check_optimizer_class(user, fields, groups, f"optimizer {k} state in the checkpoint")
+        if chunked is not None:
+            try:
+                chunked.state_io.check_groups(groups)  # before the model's weights change, not after
+            except ValueError as err:
+                raise CheckpointError(f"optimizer {k} state in the checkpoint: {err}") from err
 
 
 def load_model_state(

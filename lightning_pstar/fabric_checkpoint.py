@@ -105,6 +105,7 @@ def _check_optimizers(state: Mapping[str, Any], checkpoint: Mapping[str, Any], k
             if chunked is not None:
                 fields = {s.rsplit("/", 1)[1] for s in stored if s.startswith(f"optim/{k}/")}
                 check_optimizer_class(chunked.user_optimizer, fields, groups[k], f"optimizer '{key}' in the checkpoint")
+                chunked.state_io.check_groups(groups[k])  # before the model's weights change
         return
     for key, obj in state.items():
         chunked = chunked_of(obj)
@@ -114,6 +115,7 @@ def _check_optimizers(state: Mapping[str, Any], checkpoint: Mapping[str, Any], k
             check_optimizer_class(
                 chunked.user_optimizer, fields, saved.get("param_groups", []), f"optimizer '{key}' in the checkpoint"
             )
+            chunked.state_io.check_groups(saved.get("param_groups", []))  # before the model's weights change
 
 
 def load_fabric_checkpoint(

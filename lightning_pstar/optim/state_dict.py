@@ -264,7 +264,7 @@ class ChunkedStateDict:
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or "state" not in state_dict:
             raise ValueError("optimizer state_dict must have 'state' and 'param_groups' (torch's layout)")
-        self._check_groups(groups)
+        self.check_groups(groups)
         fields = {name for entry in state_dict["state"].values() if isinstance(entry, Mapping) for name in entry}
         writer = saved_optimizer_kind(fields, groups)
         if writer is not None and (writer == "SGD") == self._book.is_adam:
@@ -305,7 +305,8 @@ class ChunkedStateDict:
                 if self._manager.owns(record.family):  # else its owner loads it
                     self._load_record(record, entry)
 
-    def _check_groups(self, groups: list[Any]) -> None:
+    def check_groups(self, groups: list[Any]) -> None:
+        """Refuse saved param groups that are not this optimizer's (their number, and each one's size)."""
         if len(groups) != len(self._param_groups):
             raise ValueError(
                 f"optimizer state has {len(groups)} param groups, this optimizer has {len(self._param_groups)}."

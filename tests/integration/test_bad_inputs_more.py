@@ -202,3 +202,24 @@ def test_thread_count_is_left_as_the_user_set_it() -> None:
         assert module.seen and set(module.seen) == {1}, module.seen
     finally:
         torch.set_num_threads(previous)
+
+
+class _TwoGroups(TinyLM):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 1e-3}], lr=3e-3)
+
+
+@pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
+def test_checkpoint_of_other_param_groups_is_refused_before_the_weights_change(fmt: str, tmp_path: Path) -> None:
+    path = tmp_path / "groups.ckpt"
+    make_trainer(strategy=PatrickStarStrategy(checkpoint=fmt), max_steps=1, callbacks=[_SaveAt(1, path)]).fit(
+        _TwoGroups(), make_loader()
+    )
+    module = TinyLM(optim=OptimSpec(name="adamw"), seed=999)
+    before = _snapshot(module)
+    trainer = make_trainer(strategy=PatrickStarStrategy(checkpoint=fmt), max_steps=2)
+    with pytest.raises(CheckpointError, match=r"2 param groups, this optimizer has 1") as info:
+        trainer.fit(module, make_loader(), ckpt_path=str(path))
+    print(info.value)
+    _assert_untouched(module, before)

@@ -395,3 +395,21 @@ def test_non_finite_norm_raises_in_clip_gradients_and_changes_nothing(strategy: 
         stepped = {n: p.detach().clone() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
         assert_states_equal(stepped, before, what="patrickstar: a step after the refused clip is skipped")
         assert all(torch.isfinite(p).all() for p in stepped.values())
+
+
+@pytest.mark.parametrize("layout", ["consolidated", "sharded"])
+def test_load_with_other_param_groups_is_refused_before_the_weights_change(layout: str, tmp_path: Path) -> None:
+    """A checkpoint of an optimizer with two param groups loaded into one with a single group: refused naming
+    the groups, and the model's weights are still the ones before the load (nothing half loaded)."""
+    path = tmp_path / "two_groups"
+    train(LoopSpec(strategy=PatrickStarFabricStrategy(checkpoint=layout), two_groups=True, save_at=1, checkpoint=path))
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=PatrickStarFabricStrategy(checkpoint=layout))
+    fabric.launch()
+    torch.manual_seed(1)
+    model = fabric.setup_module(FlatGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(p for p in model.parameters() if p.requires_grad))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointError, match="param groups"):
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert_states_equal(after, before, what=f"{layout}: weights after a refused load")
