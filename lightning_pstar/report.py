@@ -118,7 +118,10 @@ class MemoryReport:
             ("prefetches", str(self.prefetches)),
             ("clean / dirty moves off", f"{self.clean_moves} / {self.dirty_moves} ({fmt(self.clean_bytes)} uncopied)"),
             ("host copies kept", fmt(self.host_copy_bytes)),
-            ("moved / iteration", fmt(self.moved_bytes_per_iteration)),
+            (
+                "moved / iteration",
+                "unknown" if self.moved_bytes_per_iteration is None else fmt(self.moved_bytes_per_iteration),
+            ),
             ("optimum / iteration", self._optimum()),
             ("placement", self.placement),
             ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),

@@ -83,7 +83,7 @@ class GradStore:
             if tier is Tier.DEVICE and room is not None and residency.device_used() + chunk.nbytes > room:
                 tier = Tier.HOST
             if tier is Tier.HOST:
-                residency.check_host_room(chunk.nbytes)
+                residency.check_host_room(chunk.nbytes, chunk=chunk)
             chunk.allocate(tier)
         return chunk
 

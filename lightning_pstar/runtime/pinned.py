@@ -202,10 +202,16 @@ class PinnedArena:
                     live += buf.numel() * buf.element_size()
         return self.held_bytes - live
 
-    def added_bytes(self, nbytes: int) -> int:
+    def added_bytes(self, nbytes: int, buf: torch.Tensor | None = None) -> int:
         """Host bytes held in addition once a chunk buffer of ``nbytes`` is backed: its whole block, none when an
-        idle cached block takes it; ``nbytes`` where host buffers are pageable."""
-        if not (self.pin or self._classes) or self._fallbacks:
+        idle cached block takes it; ``nbytes`` where host buffers are pageable. ``buf``: the chunk's existing
+        host buffer (a pinned one keeps its block after a fallback made later buffers pageable); None for a
+        buffer not created yet."""
+        if buf is not None:
+            pinned = self._managed.get(id(buf)) is buf
+        else:
+            pinned = bool(self.pin or self._classes) and not self._fallbacks
+        if not pinned:
             return nbytes
         return 0 if self.reusable(nbytes) else block_bytes(nbytes)
 

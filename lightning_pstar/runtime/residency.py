@@ -90,11 +90,11 @@ class Residency:
         if self.optimizer_tier is Tier.DEVICE:
             self.ensure_device_room(chunk.nbytes, protect=set())
         else:
-            self.check_host_room(chunk.nbytes)
+            self.check_host_room(chunk.nbytes, chunk=chunk)
         chunk.allocate(self.optimizer_tier)
 
     def allocate_on_host(self, chunk: Chunk) -> None:
-        self.check_host_room(chunk.nbytes)
+        self.check_host_room(chunk.nbytes, chunk=chunk)
         chunk.allocate(Tier.HOST)
 
     def device_used(self) -> int:
@@ -246,15 +246,18 @@ class Residency:
             self.move_param_chunk(self.families[victim.chunk_id], Tier.HOST)
             self.stats.evictions += 1
 
-    def check_host_room(self, nbytes: int, *, spare: Chunk | None = None) -> None:
-        """Raise unless ``nbytes`` more fit the host budget, after dropping host copies kept for clean evictions
-        (but ``spare``'s: the chunk about to leave the device through its copy). Pinned blocks count as torch's
-        host allocator holds them: [Note: pinned memory]."""
+    def check_host_room(self, nbytes: int, *, spare: Chunk | None = None, chunk: Chunk | None = None) -> None:
+        """Raise unless ``nbytes`` more (for ``chunk``, or ``spare``) fit the host budget, after dropping host
+        copies kept for clean evictions (but ``spare``'s: the chunk about to leave the device through its copy).
+        Pinned blocks count as torch's host allocator holds them: [Note: pinned memory]."""
         arena = host_arena()
-        need = arena.added_bytes(nbytes)
+        owner = chunk if chunk is not None else spare
+        buf = owner.host_buffer if owner is not None else None
+        need = arena.added_bytes(nbytes, buf)
         used = self.stats.per_tier_bytes[Tier.HOST] + self.stats.host_copy_bytes + arena.extra_bytes()
         if used + need > self.host_budget and self.stats.host_copy_bytes:
             self._free_host_copies(used + need - self.host_budget, spare)
+            need = arena.added_bytes(nbytes, buf)  # a dropped pinned copy leaves an idle block it may reuse
             used = self.stats.per_tier_bytes[Tier.HOST] + self.stats.host_copy_bytes + arena.extra_bytes()
         if used + need > self.host_budget:
             raise MemoryBudgetError(

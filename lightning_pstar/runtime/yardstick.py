@@ -48,6 +48,9 @@ from dataclasses import dataclass, field
 __all__ = ["Bounds", "Gap", "PlacementProblem", "Point", "solve"]
 
 _ITERATIONS = 400  # subgradient steps of the lower bound (each one is linear in the gaps)
+_MIN_ITERATIONS = 20
+_RULE0_LIMIT = 250_000  # points x gaps above which the upper plan skips its quadratic rule
+_WORK = 200_000  # size classes x (points + gaps) x steps: large models get fewer steps (a looser, still valid bound)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +242,11 @@ def _lower_bound(problem: PlacementProblem, gaps: Sequence[Gap], target: float) 
     lam = [0.0] * n
     mu = {z: [0.0] * n for z in zs}
     best_dual = math.inf
-    for it in range(_ITERATIONS):
+    # the end of the warm-up waits for this: cap the steps by the problem's size (any multipliers give a valid
+    # bound, fewer steps only a looser one); a small model keeps all of them
+    per_step = (len(zs) + 1) * (n + len(gaps))
+    iterations = max(_MIN_ITERATIONS, min(_ITERATIONS, _WORK // max(1, per_step)))
+    for it in range(iterations):
         lam_sums = _range_sums(lam, gaps)
         mu_sums = {z: _range_sums(mu[z], gaps) for z in zs}
         price = [
@@ -341,9 +348,11 @@ def _repair(problem: PlacementProblem, gaps: Sequence[Gap], keep: list[bool], ru
     points = problem.points
     keep = [k and g.choosable for k, g in zip(keep, gaps, strict=True)]
     over = [sum(problem.sizes[f] for f in p.need) - p.room for p in points]
+    covering: list[list[int]] = [[] for _ in points]  # the gaps over each point, in gap order
     for i, g in enumerate(gaps):
-        if keep[i]:
-            for t in g.span:
+        for t in g.span:
+            covering[t].append(i)
+            if keep[i]:
                 over[t] += g.size
 
     def merit(i: int) -> tuple[float, int]:
@@ -360,7 +369,7 @@ def _repair(problem: PlacementProblem, gaps: Sequence[Gap], keep: list[bool], ru
         worst = max(range(len(points)), key=lambda t: over[t])
         if over[worst] <= 0:
             break
-        options = [i for i, g in enumerate(gaps) if keep[i] and worst in g.span]
+        options = [i for i in covering[worst] if keep[i]]
         assert options, "a point over its room with nothing to drop: the trace does not fit"
         victim = max(options, key=merit)
         keep[victim] = False
@@ -378,7 +387,10 @@ def _repair(problem: PlacementProblem, gaps: Sequence[Gap], keep: list[bool], ru
 def _upper_plan(problem: PlacementProblem, gaps: Sequence[Gap]) -> tuple[list[bool], int]:
     """The cheapest of the greedy plans (see :func:`_repair`) and what it moves."""
     best: tuple[list[bool], int] | None = None
-    for rule in range(3):
+    # rule 0 weighs every option's relief over its whole span: quadratic in the trace; large traces (the end of
+    # the warm-up waits for this) try the two constant-time rules only, a possibly looser but still feasible plan
+    rules = (0, 1, 2) if len(problem.points) * len(gaps) <= _RULE0_LIMIT else (1, 2)
+    for rule in rules:
         keep = _repair(problem, gaps, [True] * len(gaps), rule)
         cost = _simulate(problem, gaps, keep)
         if best is None or cost < best[1]:

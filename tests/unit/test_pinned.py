@@ -83,6 +83,17 @@ def test_past_the_share_of_ram_buffers_are_pageable_with_one_warning(caplog: pyt
     assert len([r for r in caplog.records if "pageable memory" in r.message]) == 1
     assert all(t.shape == (1024,) for t in kept)
     assert arena.added_bytes(4096) == 4096  # pageable from now on: every byte counts as it is
+    # a buffer pinned before the fallback keeps its block when it is backed again; a pageable one counts its bytes
+    kept[0].untyped_storage().resize_(0)
+    assert arena.added_bytes(4096, kept[0]) == 0  # its idle block takes it back
+    kept[1].untyped_storage().resize_(0)
+    kept[0].untyped_storage().resize_(4096)
+    assert arena.added_bytes(4000, kept[1]) == 0 and arena.added_bytes(4096, kept[3]) == 4096
+    odd = PinnedArena(pin=False, mem_total=8192, share=0.5)  # room for one 4 KiB block
+    first, _ = _backed(odd, 1000), _backed(odd, 1000)  # the second falls back
+    first.untyped_storage().resize_(0)
+    odd.release()  # the idle block goes back: backing it again takes a whole new 4 KiB block
+    assert odd.fallbacks == 1 and odd.added_bytes(4000, first) == 4096
 
 
 def test_release_gives_back_idle_blocks_and_keeps_live_ones() -> None:

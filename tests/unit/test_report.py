@@ -117,3 +117,10 @@ def test_memory_report_all_after_fit(tmp_path: Path) -> None:
     (report,) = strategy.memory_report_all()  # the reports gathered at teardown, no engine needed
     assert report == strategy.memory_report()
     assert report.num_params == 8 * 8 + 8 and report.rank == 0 and report.world_size == 1
+
+
+def test_unknown_traffic_per_iteration_reads_unknown_not_unlimited() -> None:
+    (line,) = [line for line in str(make_report()).splitlines() if "moved / iteration" in line]
+    assert "unknown" in line and "unlimited" not in line
+    (line,) = [line for line in str(make_report(moved_bytes_per_iteration=2048)).splitlines() if "moved /" in line]
+    assert "2.00 KiB" in line
