@@ -43,6 +43,7 @@ from lightning_pstar.runtime.manager import ChunkManager
 
 __all__ = [
     "SafeCheckpointIO",
+    "check_optimizer_groups",
     "check_optimizer_states",
     "load_model_state",
     "load_sharded_optimizer_states",
@@ -134,31 +135,41 @@ def refuse_bare_state_dict(checkpoint: Mapping[str, Any], path: Path) -> None:
         )
 
 
-def check_optimizer_states(optimizers: Sequence[Any], checkpoint: Mapping[str, Any]) -> None:
-    """Refuse optimizer states of another optimizer class or other param groups (Lightning's layout) before
-    anything changes."""
+def _saved_optimizers(checkpoint: Mapping[str, Any]) -> list[tuple[set[str], list[Any]]]:
+    """(state fields, param groups) of each optimizer in a checkpoint in Lightning's layout."""
     if checkpoint.get(SHARDED_KEY):
         stored = stored_keys(Path(checkpoint[SHARDED_KEY]))
         groups = checkpoint[INFO_KEY]["param_groups"]
-        states = [
+        return [
             ({key.rsplit("/", 1)[1] for key in stored if key.startswith(f"optim/{k}/")}, groups[k])
             for k in range(len(groups))
         ]
-    else:
-        states = [
-            ({f for entry in opt["state"].values() for f in entry}, opt["param_groups"])
-            for opt in checkpoint.get("optimizer_states", [])
-            if isinstance(opt, Mapping) and isinstance(opt.get("state"), Mapping)
-        ]
-    for k, (opt, (fields, groups)) in enumerate(zip(optimizers, states, strict=False)):
+    return [
+        ({f for entry in opt["state"].values() for f in entry}, opt["param_groups"])
+        for opt in checkpoint.get("optimizer_states", [])
+        if isinstance(opt, Mapping) and isinstance(opt.get("state"), Mapping)
+    ]
+
+
+def check_optimizer_states(optimizers: Sequence[Any], checkpoint: Mapping[str, Any]) -> None:
+    """Refuse optimizer states of another optimizer class (Lightning's layout) before anything changes."""
+    for k, (opt, (fields, groups)) in enumerate(zip(optimizers, _saved_optimizers(checkpoint), strict=False)):
         chunked = chunked_of(opt)
         user = chunked.user_optimizer if chunked is not None else opt
         check_optimizer_class(user, fields, groups, f"optimizer {k} state in the checkpoint")
+
+
+def check_optimizer_groups(optimizers: Sequence[Any], checkpoint: Mapping[str, Any]) -> None:
+    """Refuse optimizer states of other param groups (their number or sizes) before the model's weights change:
+    run as ``checked`` of :func:`load_model_state`, once the model's names and shapes are known to match (a
+    checkpoint of another model is named as that, not as other groups)."""
+    for k, (opt, (_, groups)) in enumerate(zip(optimizers, _saved_optimizers(checkpoint), strict=False)):
+        chunked = chunked_of(opt)
         if chunked is not None:
             try:
-                chunked.state_io.check_groups(groups)  # before the model's weights change, not after
+                chunked.state_io.check_groups(groups)
             except ValueError as err:
-                raise CheckpointError(f"optimizer {k} state in the checkpoint: {err}") from err
+                raise ValueError(f"optimizer {k} state in the checkpoint: {err}") from err  # named by the caller
 
 
 def load_model_state(
@@ -168,10 +179,11 @@ def load_model_state(
     strict: bool,
     source: Any,
     before: Callable[[], None] = lambda: None,
+    checked: Callable[[], None] = lambda: None,
 ) -> None:
     """Load the weights of a checkpoint in Lightning's layout (``state_dict``, or a sharded store) into the
-    chunks. ``before`` runs the caller's own checks first; a mismatch raises a :class:`CheckpointError` naming
-    ``source``."""
+    chunks. ``before`` runs the caller's own checks first, ``checked`` once the model's names and shapes match
+    (before any write); a mismatch raises a :class:`CheckpointError` naming ``source``."""
     try:
         before()
         if checkpoint.get(SHARDED_KEY):
@@ -181,9 +193,10 @@ def load_model_state(
                 stored_keys(path),
                 lambda wanted: read_sharded_tensors(path, wanted),
                 checkpoint.get("state_dict", {}),
+                checked=checked,
             )
             return
-        load_full_state_dict(manager, checkpoint["state_dict"], strict=strict)
+        load_full_state_dict(manager, checkpoint["state_dict"], strict=strict, checked=checked)
     except (KeyError, ValueError) as err:
         message = err.args[0] if err.args else str(err)
         raise CheckpointError(f"cannot load '{source}': {message}") from err

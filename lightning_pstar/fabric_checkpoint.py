@@ -105,7 +105,6 @@ def _check_optimizers(state: Mapping[str, Any], checkpoint: Mapping[str, Any], k
             if chunked is not None:
                 fields = {s.rsplit("/", 1)[1] for s in stored if s.startswith(f"optim/{k}/")}
                 check_optimizer_class(chunked.user_optimizer, fields, groups[k], f"optimizer '{key}' in the checkpoint")
-                chunked.state_io.check_groups(groups[k])  # before the model's weights change
         return
     for key, obj in state.items():
         chunked = chunked_of(obj)
@@ -115,7 +114,25 @@ def _check_optimizers(state: Mapping[str, Any], checkpoint: Mapping[str, Any], k
             check_optimizer_class(
                 chunked.user_optimizer, fields, saved.get("param_groups", []), f"optimizer '{key}' in the checkpoint"
             )
-            chunked.state_io.check_groups(saved.get("param_groups", []))  # before the model's weights change
+
+
+def _check_groups(state: Mapping[str, Any], checkpoint: Mapping[str, Any], keys: Any, sharded: bool) -> None:
+    """Refuse optimizer states of other param groups; run once the model's names and shapes match, before its
+    weights change (``checked`` of ``load_model_state``)."""
+    if sharded:
+        saved = checkpoint[INFO_KEY]["param_groups"]
+        pairs = [(key, saved[k]) for k, key in enumerate(keys["optimizers"])]
+    else:
+        pairs = [
+            (key, checkpoint[key].get("param_groups", [])) for key in state if isinstance(checkpoint.get(key), Mapping)
+        ]
+    for key, groups in pairs:
+        chunked = chunked_of(state.get(key))
+        if chunked is not None:
+            try:
+                chunked.state_io.check_groups(groups)
+            except ValueError as err:
+                raise ValueError(f"optimizer '{key}' in the checkpoint: {err}") from err
 
 
 def load_fabric_checkpoint(
@@ -170,7 +187,13 @@ def load_fabric_checkpoint(
         raise CheckpointError(f"cannot load '{path}': {err.args[0] if err.args else err}") from err
     if module_key is not None:
         model_state = checkpoint if sharded else {"state_dict": checkpoint.pop(module_key)}
-        load_model_state(manager, model_state, strict=strict, source=path)
+        load_model_state(
+            manager,
+            model_state,
+            strict=strict,
+            source=path,
+            checked=lambda: _check_groups(state, checkpoint, keys, sharded),
+        )
     if sharded:
         load_sharded_optimizer_states([state.get(k) for k in keys["optimizers"]], checkpoint)
     else:

@@ -29,6 +29,7 @@ from typing_extensions import Unpack, override
 from lightning_pstar.checkpoint import SHARDED_KEY, full_state_dict
 from lightning_pstar.checkpointing import (
     SafeCheckpointIO,
+    check_optimizer_groups,
     check_optimizer_states,
     chunked_of,
     load_model_state,
@@ -377,11 +378,12 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         refuse_bare_state_dict(checkpoint, path)
         return checkpoint
 
-    def _check_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
-        """Refuse optimizer states of another optimizer class before the model state changes."""
+    def _check_optimizer_states(self, checkpoint: Mapping[str, Any], *, groups: bool = False) -> None:
+        """Refuse optimizer states of another optimizer class (or, ``groups``, other param groups) before the
+        model state changes."""
         if self.lightning_module is None or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             return
-        check_optimizer_states(self.optimizers, checkpoint)
+        (check_optimizer_groups if groups else check_optimizer_states)(self.optimizers, checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -395,6 +397,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             strict=strict,
             source=source,
             before=lambda: self._check_optimizer_states(checkpoint),
+            checked=lambda: self._check_optimizer_states(checkpoint, groups=True),
         )
 
     @override

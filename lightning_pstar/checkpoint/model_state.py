@@ -109,8 +109,17 @@ def full_state_dict(manager: ChunkManager, *, rank0_only: bool = False) -> dict[
     return out
 
 
-def load_full_state_dict(manager: ChunkManager, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Load an ordinary ``state_dict`` into the chunks (masters and compute copies) and the buffers."""
+def load_full_state_dict(
+    manager: ChunkManager,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    checked: Callable[[], None] = lambda: None,
+) -> None:
+    """Load an ordinary ``state_dict`` into the chunks (masters and compute copies) and the buffers.
+
+    ``checked`` runs once the names and shapes are validated, before anything is written (the caller's checks
+    that should come after the model's own, such as the optimizer's param groups)."""
     expected = list(manager.module.state_dict(keep_vars=True).keys())
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in set(expected)]
@@ -144,6 +153,7 @@ def load_full_state_dict(manager: ChunkManager, state_dict: Mapping[str, torch.T
                 f"state_dict does not match the model: missing keys {missing}, unexpected keys {unexpected}."
                 " HINT: load with strict=False to ignore them, or use a checkpoint of this model."
             )
+    checked()
     with torch.no_grad():
         for record, value in values:
             if manager.owns(record.family):
@@ -184,9 +194,15 @@ def sharded_info(manager: ChunkManager) -> dict[str, Any]:
 
 
 def load_owned_tensors(
-    manager: ChunkManager, stored: Mapping[str, torch.Size], read: ReadTensors, buffers: Mapping[str, Any]
+    manager: ChunkManager,
+    stored: Mapping[str, torch.Size],
+    read: ReadTensors,
+    buffers: Mapping[str, Any],
+    *,
+    checked: Callable[[], None] = lambda: None,
 ) -> None:
-    """Load a sharded checkpoint's weights: check names and shapes first, then read what this rank owns."""
+    """Load a sharded checkpoint's weights: check names and shapes first (then ``checked``, as in
+    :func:`load_full_state_dict`), then read what this rank owns."""
     expected = {f"model/{r.names[0]}": r for r in manager.records}
     stored_model = {k for k in stored if k.startswith("model/")}
     missing = sorted(k[len("model/") :] for k in set(expected) - stored_model)
@@ -202,6 +218,7 @@ def load_owned_tensors(
                 f"the sharded checkpoint stores '{key[len('model/') :]}' with shape {tuple(stored[key])}, the"
                 f" model has {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model."
             )
+    checked()
     wanted = {k: stored[k] for k, r in expected.items() if manager.owns(r.family)}
     values = read(wanted)
     with torch.no_grad():

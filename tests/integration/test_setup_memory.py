@@ -42,6 +42,7 @@ def test_meta_model_larger_than_budget_materialises_within_budget() -> None:
     strategy = PatrickStarStrategy(chunk_size=CHUNK, placement="static", device_memory_limit=budget)
     result = fit(TinyLM(meta_init=True), strategy=strategy, max_steps=1, callbacks=[probe])
     model_bytes = _model_fp32_bytes(result.module)
+    print(f"meta TinyLM: fp32 model {model_bytes:,} B, device budget {budget:,} B, setup peak {probe.peak:,} B")
     assert model_bytes > 2 * budget, "the test needs a model larger than the device budget"
     # chunks on the device plus one module's fp32 temporaries, never the whole fp32 model
     assert 0 < probe.peak <= budget, (probe.peak, budget, model_bytes)
