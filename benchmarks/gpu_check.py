@@ -266,7 +266,8 @@ def _strategy_and_module(run: Run, sizes: dict[str, Any], total: int) -> tuple[A
     if run.strategy == "deepspeed-offload":
         return "deepspeed_stage_3_offload", DeepSpeedGPTModule(**sizes, warmup_steps=total)
     offload = run.strategy == "fsdp-offload"
-    return FSDPStrategy(offload=offload), FSDPGPTModule(offload=offload, **sizes, warmup_steps=total, fused=True)
+    module = FSDPGPTModule(offload=offload, param_dtype=torch.bfloat16, **sizes, warmup_steps=total, fused=True)
+    return FSDPStrategy(offload=offload, data_parallel_size=1), module
 
 
 def run_worker(run: Run, args: argparse.Namespace) -> dict[str, Any]:

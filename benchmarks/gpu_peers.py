@@ -1,5 +1,5 @@
-"""The peers of benchmarks/gpu_check.py: the demo GPT under FSDP2 (with or without ``CPUOffloadPolicy``) and
-under DeepSpeed's ZeRO-3 offload (``DeepSpeedCPUAdam``)."""
+"""The peers of benchmarks/gpu_check.py and compare.py: the demo GPT under FSDP2 (with or without
+``CPUOffloadPolicy``) and under DeepSpeed's ZeRO-3 offload (``DeepSpeedCPUAdam``)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ __all__ = ["DeepSpeedGPTModule", "FSDPGPTModule", "FSDPStrategy"]
 
 
 class FSDPGPTModule(GPTLightningModule):
-    """The demo GPT under FSDP2, built on the meta device and sharded per block and at the root; with
-    ``offload`` its shards live on the host (``CPUOffloadPolicy``), else on the GPU (the baseline)."""
+    """The demo GPT under FSDP2: ``fully_shard`` on every block and on the root, built on the meta device and
+    materialised into its shards (on the host when offloading, so the full model never exists anywhere)."""
 
-    def __init__(self, *, offload: bool, **kwargs: Any) -> None:
+    def __init__(self, *, offload: bool, param_dtype: torch.dtype | None, **kwargs: Any) -> None:
         super().__init__(**kwargs, meta_init=True)  # the GPT is built in configure_model, never in __init__
         self.offload = offload
+        self.param_dtype = param_dtype
 
     @override
     def configure_model(self) -> None:
@@ -32,11 +33,10 @@ class FSDPGPTModule(GPTLightningModule):
         assert mesh is not None, "ModelParallelStrategy sets the device mesh before configure_model"
         with torch.device("meta"):
             model = GPT(self.gpt_config)
+        options: dict[str, Any] = {"mesh": mesh["data_parallel"]}
         device = self.trainer.strategy.root_device
-        options: dict[str, Any] = {
-            "mesh": mesh["data_parallel"],
-            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        }
+        if self.param_dtype is not None:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         if self.offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         for block in model.h:
@@ -51,16 +51,17 @@ class FSDPGPTModule(GPTLightningModule):
 
 
 class FSDPStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` (pure data parallel); with ``offload`` it leaves the shards on the host."""
+    """``ModelParallelStrategy`` that leaves CPU-offloaded shards on the host (its ``model_to_device`` would
+    move every parameter to the accelerator)."""
 
-    def __init__(self, *, offload: bool) -> None:
-        super().__init__(data_parallel_size=1, tensor_parallel_size=1)
+    def __init__(self, *, offload: bool, data_parallel_size: int) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1)
         self.offload = offload
 
     @override
     def model_to_device(self) -> None:
         if not self.offload:
-            super().model_to_device()  # CPUOffloadPolicy: FSDP copies each unit to the device for compute
+            super().model_to_device()
 
 
 class DeepSpeedGPTModule(GPTLightningModule):

@@ -1,10 +1,14 @@
-"""Shared pytest configuration: the ``gpu`` marker, per-test seeding and quiet Lightning output."""
+"""Shared pytest configuration: the ``gpu`` marker, per-test seeding, quiet Lightning output, and the small
+filesystem of the disk-full tests."""
 
 from __future__ import annotations
 
 import logging
 import os
 import random
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +53,17 @@ def seed_everything() -> None:
     """
     random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs (the disk-full tests), skipped with the reason where the machine cannot mount one."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

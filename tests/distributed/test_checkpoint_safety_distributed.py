@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -185,19 +184,6 @@ def test_two_rank_kill_at_every_step_keeps_a_checkpoint(fmt: str, target: str, t
 
 
 # ---- a full disk at two ranks ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_filesystem(tmp_path: Path) -> Any:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.mark.parametrize("when", ["before-writing", "while-writing"])

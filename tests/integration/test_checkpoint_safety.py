@@ -164,19 +164,6 @@ def test_consolidate_command_on_a_damaged_shard_prints_one_line(tmp_path: Path, 
 # ---- a full disk -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_filesystem(tmp_path: Path) -> Any:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
-
-
 def big_tensors() -> dict[str, torch.Tensor]:
     return {f"model/big{i}": torch.ones(64 * 1024) for i in range(2)}  # 512 KiB: more than the filesystem
 
