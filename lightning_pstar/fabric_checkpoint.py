@@ -170,14 +170,7 @@ def load_fabric_checkpoint(
         else:
             state.load_state_dict(checkpoint)
         return {}
-    if sharded:
-        saved = [k for k in (keys or {}).get("optimizers", [])]
-        module_key = (keys or {}).get("module")
-        available = {k for k in checkpoint if k not in _RESERVED} | set(saved)
-        if module_key is not None:
-            available.add(str(module_key))
-    else:
-        available = set(checkpoint)
+    available = _available_keys(checkpoint, keys, sharded)
     _validate_keys_for_strict_loading(state.keys(), available, strict=strict)
     module_key = next((k for k, v in state.items() if strategy._managed(v) and k in available), None)
     opt_keys = [k for k, v in state.items() if chunked_of(v) is not None and k in available]
@@ -204,8 +197,33 @@ def load_fabric_checkpoint(
                 chunked.load_state_dict(checkpoint.pop(key))
             except (KeyError, ValueError) as err:
                 raise CheckpointError(f"cannot load '{path}' into optimizer '{key}': {err}") from err
+    _load_the_rest(strategy, state, checkpoint, skip={module_key, *opt_keys}, strict=strict)
+    return {k: v for k, v in checkpoint.items() if k not in _RESERVED}
+
+
+def _available_keys(checkpoint: Mapping[str, Any], keys: Any, sharded: bool) -> set[str]:
+    """The user's keys a checkpoint holds (a sharded one keeps its model and optimizers under their own)."""
+    if not sharded:
+        return set(checkpoint)
+    available = {k for k in checkpoint if k not in _RESERVED} | set((keys or {}).get("optimizers", []))
+    module_key = (keys or {}).get("module")
+    if module_key is not None:
+        available.add(str(module_key))
+    return available
+
+
+def _load_the_rest(
+    strategy: PatrickStarFabricStrategy,
+    state: dict[str, Any],
+    checkpoint: dict[str, Any],
+    *,
+    skip: set[str | None],
+    strict: bool,
+) -> None:
+    """Everything but the set-up model and optimizers: other modules and stateful objects load their state,
+    plain values are replaced (as plain Fabric does); what is loaded leaves ``checkpoint``."""
     for name, obj in list(state.items()):
-        if name == module_key or name in opt_keys or name not in checkpoint or name in _RESERVED:
+        if name in skip or name not in checkpoint or name in _RESERVED:
             continue
         if isinstance(obj, _Stateful):
             if isinstance(obj, nn.Module):
@@ -214,4 +232,3 @@ def load_fabric_checkpoint(
                 obj.load_state_dict(checkpoint.pop(name))
         else:
             state[name] = checkpoint.pop(name)
-    return {k: v for k, v in checkpoint.items() if k not in _RESERVED}
