@@ -2,7 +2,8 @@
 port, torchrun's environment for each rank, and fresh ``spawn`` processes per run whose results (or first
 failure) come back through one queue.
 
-Used by ``distributed.py``, ``scaling.py``, ``compare.py`` and ``overhead.py``; not a public module.
+Also the Trainer options every benchmark run shares (:data:`QUIET_TRAINER`: training only, no logging or
+checkpoints). Used by every script in ``benchmarks/``; not a public module.
 """
 
 from __future__ import annotations
@@ -18,7 +19,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["free_port", "importable_env", "make_repo_importable", "rank_env", "repo_root", "run_ranks"]
+__all__ = [
+    "QUIET_TRAINER",
+    "free_port",
+    "importable_env",
+    "make_repo_importable",
+    "rank_env",
+    "repo_root",
+    "run_ranks",
+]
+
+
+QUIET_TRAINER: dict[str, Any] = {
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+"""Trainer options of every benchmark run: training steps only, nothing logged, saved or printed."""
 
 
 def repo_root() -> str:

@@ -83,7 +83,7 @@ from lightning_pstar.demos.timing import StepTimer
 from lightning_pstar.planning import plan_capacity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import free_port, importable_env, rank_env  # noqa: E402
+from _launch import QUIET_TRAINER, free_port, importable_env, rank_env  # noqa: E402
 from gpu_peers import FSDPGPTModule, FSDPStrategy  # noqa: E402
 
 RUN_KEYS = (
@@ -232,12 +232,7 @@ def run_worker(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         strategy=strategy,
         precision=args.precision,
         max_steps=total,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         # One process: no DistributedSampler (a DDPStrategy subclass would add one and change the data order).
         use_distributed_sampler=spec.world_size > 1,
         callbacks=[timer],

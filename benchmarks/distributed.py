@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import make_repo_importable, run_ranks  # noqa: E402
+from _launch import QUIET_TRAINER, make_repo_importable, run_ranks  # noqa: E402
 
 STRATEGIES = ("patrickstar", "ddp", "fsdp")
 MAX_STEP_TIME_RATIO = 1.25
@@ -174,12 +174,7 @@ def train_rank(rank: int, args: argparse.Namespace, name: str) -> dict[str, Any]
         strategy=strategy,
         precision=args.precision,
         max_steps=total_steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[timer],
     )
     trainer.fit(module, datamodule=datamodule)

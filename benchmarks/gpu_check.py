@@ -65,6 +65,7 @@ from lightning_pstar.demos.timing import StepTimer
 from lightning_pstar.planning import plan_capacity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its sibling module
+from _launch import QUIET_TRAINER  # noqa: E402
 from gpu_peers import DeepSpeedGPTModule, FSDPGPTModule, FSDPStrategy  # noqa: E402
 
 STRATEGIES = ("patrickstar", "patrickstar-offload", "fsdp-offload", "deepspeed-offload", "baseline")
@@ -291,12 +292,7 @@ def run_worker(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         strategy=strategy,
         precision="bf16-mixed",
         max_steps=total,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         use_distributed_sampler=False,
         callbacks=[timer],
     )

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import importable_env  # noqa: E402
+from _launch import QUIET_TRAINER, importable_env  # noqa: E402
 
 STRATEGIES = ("auto", "patrickstar")
 RESULT_PREFIX = "OVERHEAD_RESULT "
@@ -147,12 +147,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         strategy=strategy,
         precision=args.precision,
         max_steps=total_steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         # A DDPStrategy subclass (PatrickStar) would otherwise get a DistributedSampler even at one rank,
         # so the two runs would read different batches.
         use_distributed_sampler=False,

@@ -65,6 +65,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its sibling module
+from _launch import QUIET_TRAINER  # noqa: E402
+
 RESULT_PREFIX = "PLACEMENT_RESULT "
 POLICIES = ("static", "auto")
 TARGET_RATIO_AT_HALF = {"demo": 0.5, "shallow": 0.7}
@@ -295,12 +298,7 @@ def run_one(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
         strategy=strategy,
         precision=args.precision,
         max_steps=total_steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         # A DDPStrategy subclass would otherwise get a DistributedSampler even at one rank.
         use_distributed_sampler=False,
         callbacks=[probe],

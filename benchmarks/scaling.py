@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import make_repo_importable, run_ranks  # noqa: E402
+from _launch import QUIET_TRAINER, make_repo_importable, run_ranks  # noqa: E402
 from distributed import _fsdp_module_class  # noqa: E402
 
 ONE_RANK = ("auto", "patrickstar")
@@ -109,7 +109,7 @@ class EngineMeter:
         self.modules = 0  # modules with chunk parameters
 
     def install(self, manager: Any) -> None:
-        self.modules = len(manager.module_records)
+        self.modules = len(manager.table.module_records)
         for name in ENGINE_VERBS:
             setattr(manager, name, self._timed(getattr(manager, name)))
         for name in COMM_VERBS:
@@ -209,12 +209,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
         strategy=strategy,
         precision="bf16-mixed",
         max_steps=total,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[timer, _meter_callback(meter, args.warmup)],
     )
     trainer.fit(module, datamodule=datamodule)

@@ -35,24 +35,16 @@ from torch.utils.data import DataLoader
 from lightning_pstar import PatrickStarFabricStrategy  # importing the package registers "patrickstar" with Fabric
 from lightning_pstar.demos import GPT, GPTConfig, StdlibCharDataModule
 from lightning_pstar.demos.module import WarmupCosineSchedule, param_groups
+from lightning_pstar.demos.strategies import build_strategy as build_any_strategy
 from lightning_pstar.hardware import choose_precision
 
 log = logging.getLogger(__name__)
 
 
 def build_strategy(node: DictConfig) -> Strategy | str:
-    """``cfg.fabric_strategy`` as ``Fabric(strategy=...)`` takes it: a registered name (``name``), or a class
-    (``_target_``) built with its ``from_config`` (which validates every key) where it has one."""
-    target = node.get("_target_")
-    if target is None:
-        return str(node.name)
-    cls = hydra.utils.get_class(str(target))
-    from_config = getattr(cls, "from_config", None)
-    strategy = from_config(node) if callable(from_config) else hydra.utils.instantiate(node)
-    if not isinstance(strategy, Strategy):
-        built = type(strategy).__name__
-        raise TypeError(f"`fabric_strategy._target_={target}` built a {built}, not a Fabric Strategy.")
-    return strategy
+    """``cfg.fabric_strategy`` as ``Fabric(strategy=...)`` takes it (a registered name, or a class built with its
+    ``from_config``, which validates every key)."""
+    return build_any_strategy(node, base=Strategy, key="fabric_strategy")
 
 
 def build_model(fabric: Fabric, cfg: DictConfig) -> tuple[Any, Any, Any]:

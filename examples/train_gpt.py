@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_pstar import MemoryReport
 from lightning_pstar.checkpoint import consolidate
 from lightning_pstar.demos import GPTLightningModule, StdlibCharDataModule, decode, encode
+from lightning_pstar.demos.strategies import build_strategy as build_any_strategy
 from lightning_pstar.hardware import choose_precision
 
 log = logging.getLogger(__name__)
@@ -59,22 +60,9 @@ class LossSummary(Callback):
 
 
 def build_strategy(node: DictConfig) -> Strategy | str:
-    """Turn ``cfg.strategy`` into what ``L.Trainer(strategy=...)`` accepts.
-
-    A node with ``name`` only (``strategy=auto``) is a registered strategy name. A node with ``_target_``
-    names a class: when the class offers ``from_config`` (PatrickStarStrategy does), that validates every
-    key, so a misspelled option fails here with its name instead of being swallowed; other classes are
-    instantiated by Hydra, whose constructor call rejects unknown keyword arguments.
-    """
-    target = node.get("_target_")
-    if target is None:
-        return str(node.name)
-    cls = hydra.utils.get_class(str(target))
-    from_config = getattr(cls, "from_config", None)
-    strategy = from_config(node) if callable(from_config) else hydra.utils.instantiate(node)
-    if not isinstance(strategy, Strategy):
-        raise TypeError(f"`strategy._target_={target}` built a {type(strategy).__name__}, not a Lightning Strategy.")
-    return strategy
+    """``cfg.strategy`` as ``L.Trainer(strategy=...)`` takes it (``lightning_pstar.demos.strategies``: the
+    class's ``from_config`` validates every key, so a misspelled option fails here with its name)."""
+    return build_any_strategy(node, base=Strategy, key="strategy")
 
 
 def checkpoint_format(strategy: Strategy | str) -> str:

@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_pstar.demos import StdlibCharDataModule
 from lightning_pstar.demos.module import WarmupCosineSchedule, param_groups
+from lightning_pstar.demos.strategies import build_strategy as build_any_strategy
 from lightning_pstar.hardware import choose_precision
 
 log = logging.getLogger(__name__)
@@ -166,15 +167,7 @@ class LossSummary(Callback):
 
 def build_strategy(node: DictConfig) -> Strategy | str:
     """``cfg.strategy`` -> what ``L.Trainer(strategy=...)`` accepts (as in examples/train_gpt.py)."""
-    target = node.get("_target_")
-    if target is None:
-        return str(node.name)
-    cls = hydra.utils.get_class(str(target))
-    from_config = getattr(cls, "from_config", None)
-    strategy = from_config(node) if callable(from_config) else hydra.utils.instantiate(node)
-    if not isinstance(strategy, Strategy):
-        raise TypeError(f"`strategy._target_={target}` built a {type(strategy).__name__}, not a Lightning Strategy.")
-    return strategy
+    return build_any_strategy(node, base=Strategy, key="strategy")
 
 
 @hydra.main(config_path="../configs", config_name="train_gpt", version_base="1.3")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _Stateful
@@ -36,7 +36,28 @@ from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.optim.state_dict import check_optimizer_class
 
 if TYPE_CHECKING:
-    from lightning_pstar.fabric import PatrickStarFabricStrategy
+    from lightning.fabric.plugins import CheckpointIO
+
+    from lightning_pstar.runtime.manager import ChunkManager
+
+
+class _FabricHost(Protocol):
+    """What the checkpoint steps use of the Fabric strategy (``lightning_pstar.fabric``, which imports this
+    module: the dependency runs one way)."""
+
+    @property
+    def chunk_manager(self) -> ChunkManager: ...
+    @property
+    def checkpoint_io(self) -> CheckpointIO: ...
+    @property
+    def is_global_zero(self) -> bool: ...
+    @property
+    def global_rank(self) -> int: ...
+    def barrier(self, *args: Any, **kwargs: Any) -> None: ...
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None: ...
+    def _managed(self, obj: Any) -> bool: ...
+    def _convert_stateful_objects_in_state(self, state: dict[str, Any], filter: Any) -> dict[str, Any]: ...
+
 
 __all__ = ["FABRIC_KEYS", "load_fabric_checkpoint", "save_fabric_checkpoint"]
 
@@ -55,9 +76,7 @@ def _param_groups(optimizer: ChunkedOptimizer) -> list[dict[str, Any]]:
     return groups
 
 
-def save_fabric_checkpoint(
-    strategy: PatrickStarFabricStrategy, path: Path, state: Mapping[str, Any], *, filter: Any | None
-) -> None:
+def save_fabric_checkpoint(strategy: _FabricHost, path: Path, state: Mapping[str, Any], *, filter: Any | None) -> None:
     """Write a sharded checkpoint of ``state`` (called on every rank)."""
     if filter:
         raise ValueError(
@@ -136,7 +155,7 @@ def _check_groups(state: Mapping[str, Any], checkpoint: Mapping[str, Any], keys:
 
 
 def load_fabric_checkpoint(
-    strategy: PatrickStarFabricStrategy,
+    strategy: _FabricHost,
     path: Path,
     state: nn.Module | Optimizer | dict[str, Any] | None,
     *,
@@ -213,7 +232,7 @@ def _available_keys(checkpoint: Mapping[str, Any], keys: Any, sharded: bool) -> 
 
 
 def _load_the_rest(
-    strategy: PatrickStarFabricStrategy,
+    strategy: _FabricHost,
     state: dict[str, Any],
     checkpoint: dict[str, Any],
     *,

@@ -229,10 +229,10 @@ class ChunkedOptimizer(Optimizer):
 
     def _step_family(self, family: ChunkFamily, coef: float) -> None:
         manager = self._manager
-        if manager.optimizer_tier_of(family) is Tier.HOST:
-            manager.move_param_chunk(family, Tier.HOST)  # the update runs where the optimizer states live
+        if manager.residency.optimizer_tier_of(family) is Tier.HOST:
+            manager.residency.move_param_chunk(family, Tier.HOST)  # the update runs where the optimizer states live
         else:
-            manager.fetch(family, protect={family.family_id})
+            manager.residency.fetch(family, protect={family.family_id})
         if self._book.is_adam and self._step_whole_family(family, coef):
             return
         grads = family_grads(family, self._book.group_of, mixed=manager.mixed, inv_scale=self.gradient_policy.inv_scale)

@@ -157,13 +157,13 @@ class ModelHooks:
 
     def install(self) -> None:
         add = self._add_module_hooks
-        for index, (module, records) in enumerate(self.manager.module_records.items()):
+        for index, (module, records) in enumerate(self.manager.table.module_records.items()):
             add(module, self._make_pre_forward(index, records), self._make_post_forward(index, records))
         for record in self.manager.records:
             if record.trainable:
                 self._handles.append(record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record)))
         if self.manager.mixed:
-            for module in self.manager.module_records:
+            for module in self.manager.table.module_records:
                 if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
                     add(module, self._batchnorm_params_in_fp32, self._batchnorm_params_back)
         host = {id(p) for p in self.manager.host_params.values()}
@@ -227,12 +227,12 @@ class ModelHooks:
             yield
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        lookup = self.manager.lookup
-        record = lookup(tensor)
+        lookup = self.manager.table.by_id.get  # the record of a managed parameter by identity (hot path)
+        record = lookup(id(tensor))
         owner: torch.Tensor | None = tensor
         if record is None:
             owner = tensor._base
-            record = lookup(owner) if owner is not None else None
+            record = lookup(id(owner)) if owner is not None else None
         if record is not None and record.param is owner:
             packed = self._pack_weight(record, tensor)
             if packed is not None:
@@ -294,7 +294,7 @@ class ModelHooks:
         if node is not self._unpack_node:  # a new node: the views the last one read are dropped
             self._unpack_node = node
             self._unpack_pins = set()
-        manager.fetch(family, protect=self._unpack_pins)
+        manager.residency.fetch(family, protect=self._unpack_pins)
         self._unpack_pins.add(family.family_id)
         return family.param_chunk.data.as_strided(packed.size, packed.stride, packed.offset)
 

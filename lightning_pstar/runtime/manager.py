@@ -1,43 +1,38 @@
 """The chunk manager: a thin facade whose verbs are the steps of one iteration.
 
-Setup happens in two phases so that bad input fails before anything changes: ``ChunkManager(...)`` only
-plans (parameters and where they go, layout, budgets: :mod:`lightning_pstar.planning.requirements`, the
-same functions the capacity planner calls); :meth:`ChunkManager.materialise` then allocates chunks and puts
-every parameter into its slot (:mod:`~lightning_pstar.runtime.materialise`).
+Setup has two phases so that bad input fails before anything changes: ``ChunkManager(...)`` only plans
+(:mod:`~lightning_pstar.runtime.budgets`, with the planner's functions); :meth:`ChunkManager.materialise`
+then allocates chunks and puts every parameter into its slot (:mod:`~lightning_pstar.runtime.materialise`).
 
 During training the hooks (:mod:`~lightning_pstar.runtime.hooks`) and the strategy call the iteration's
-verbs, in this order per micro-batch: :meth:`begin_training_batch`, then per module :meth:`pre_forward` /
-:meth:`post_forward`, :meth:`begin_backward`, per module :meth:`pre_backward` / :meth:`post_backward` and
-per parameter :meth:`grad_ready`, :meth:`finish_backward`; then the optimizer's :meth:`step_moment` and
-:meth:`end_warmup_if_recording`. The work is done by one object per concern: :class:`ParamTable` (what is
-where), :class:`Residency` (which tier, budgets), :class:`GradStore` (gradients), the sharding object (ZeRO
-groups; a null object on one rank), the tracer and the placement policy.
+verbs, in this order per micro-batch: :meth:`begin_training_batch`, per module :meth:`pre_forward` /
+:meth:`post_forward`, :meth:`begin_backward`, per module :meth:`pre_backward` / :meth:`post_backward`, per
+parameter :meth:`grad_ready`, :meth:`finish_backward`; then the optimizer's :meth:`step_moment` and
+:meth:`end_warmup_if_recording`. One object per concern does the work: :class:`ParamTable` (what is where),
+:class:`Residency` (tiers, budgets), :class:`GradStore`, the sharding (a null object on one rank), the tracer
+and the placement policy.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from lightning_pstar.config import PStarConfig
-from lightning_pstar.planning.layout import Layout
 from lightning_pstar.planning.requirements import (
     BytesPerElement,
     MemoryBudgetError,
-    check_budgets,
-    chunk_layout,
     collect_parameters,
-    host_embedding_bytes,
     host_embeddings,
     min_device_bytes,
     tier_need,
 )
 from lightning_pstar.report import MemoryReport
-from lightning_pstar.runtime.chunk import Chunk, ChunkKind
+from lightning_pstar.runtime.budgets import check_setup_budgets, device_budget_of, host_budget_of, plan_layout
+from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable
 from lightning_pstar.runtime.grads import GradStore
@@ -55,11 +50,6 @@ __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "
 log = logging.getLogger(__name__)
 
 _ADAM_STATE_BYTES = 8  # what setup assumes before the optimizer is known: the most a supported one needs
-
-
-def host_ram_bytes() -> int:
-    """Physical RAM of this machine."""
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 class ChunkManager:
@@ -140,14 +130,23 @@ class ChunkManager:
         self._named = collect_parameters(module, exclude={id(p) for p in self.host_params.values()})
         if not self._named:
             raise ValueError("The model has no parameters; there is nothing for PatrickStar to manage.")
-        device_budget = self._default_device_budget(config)
-        self.layout = self._plan_layout(config, device_budget)
+        device_budget = device_budget_of(config, device)
+        self.layout = plan_layout(
+            self._named,
+            config,
+            device_budget=device_budget,
+            compute_dtype=self.compute_dtype,
+            world_size=self.world_size,
+            device=device,
+        )
         self.table = ParamTable(module, self.layout, self._named)
         self._min_device_bytes = self.min_device_bytes()[0]
-        host_budget = config.memory.host_limit_bytes
-        if host_budget is None:
-            host_budget = int(host_ram_bytes() * config.memory.host_fraction / max(1, local_world_size))
-        self.tracer = MemoryTracer(device, self._device_chunk_bytes, self._chunk_storage_ptrs)
+        host_budget = host_budget_of(config, local_world_size)
+        self.tracer = MemoryTracer(  # residency exists by the time the tracer asks
+            device,
+            lambda: self.residency.stats.per_tier_bytes[Tier.DEVICE],
+            lambda: self.residency.storage_ptrs(list(self.table.iter_chunks())),
+        )
         if policy is None:
             policy = make_policy(
                 config.placement.policy,
@@ -155,25 +154,19 @@ class ChunkManager:
                 static_chunk_fraction=config.placement.static_chunk_fraction,
                 warmup_chunk_fraction=config.placement.warmup_chunk_fraction,
             )
-        self._check_budgets(device_budget, host_budget, policy)
-        return device_budget, host_budget, policy
-
-    def _default_device_budget(self, config: PStarConfig) -> int | None:
-        limit = config.memory.device_limit_bytes
-        if limit is not None or self.simulated:
-            return limit
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * config.memory.device_fraction)
-
-    def _plan_layout(self, config: PStarConfig, device_budget: int | None) -> Layout:
-        return chunk_layout(
-            self._named,
-            chunk_elements=config.chunks.elements,
-            device_budget=device_budget,
-            compute_itemsize=self.compute_dtype.itemsize,
+        start = policy.optimizer_tier(model_data_bytes=self._model_data_bytes(), device_budget=device_budget)
+        check_setup_budgets(
+            self.layout,
+            self.bytes_per_element(),
+            module_need=self.min_device_bytes(),
+            host_params=self.host_params,
             world_size=self.world_size,
-            allocator_friendly=self.device.type == "cuda",  # pinned host buffers: [Note: pinned memory]
+            device_budget=device_budget,
+            host_budget=host_budget,
+            optimizer_on_host=start is Tier.HOST,
+            static_fraction=config.placement.static_chunk_fraction if policy.name == "static" else None,
         )
+        return device_budget, host_budget, policy
 
     def bytes_per_element(self, optimizer: int = _ADAM_STATE_BYTES) -> BytesPerElement:
         return BytesPerElement.of_run(
@@ -193,27 +186,6 @@ class ChunkManager:
         index = {id(p): i for i, (p, _) in enumerate(self._named)}
         return min_device_bytes(
             self.module, self.layout, index, itemsize=self.compute_dtype.itemsize, world_size=self.world_size
-        )
-
-    def _check_budgets(self, device_budget: int | None, host_budget: int, policy: PlacementPolicy) -> None:
-        need, where = self.min_device_bytes()
-        bpe = self.bytes_per_element()
-        start = policy.optimizer_tier(model_data_bytes=self._model_data_bytes(), device_budget=device_budget)
-        tiers = tier_need(
-            self.layout,
-            bpe,
-            world_size=self.world_size,
-            device_budget=device_budget,
-            host_embedding_bytes=host_embedding_bytes(self.host_params, optimizer=bpe.optimizer),
-            optimizer_on_host=start is Tier.HOST,
-        )
-        check_budgets(
-            need=need,
-            where=where,
-            tiers=tiers,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            static_fraction=self.config.placement.static_chunk_fraction if policy.name == "static" else None,
         )
 
     # ---- setup ----------------------------------------------------------------------------------------
@@ -273,17 +245,9 @@ class ChunkManager:
     def records(self) -> list[ParamRecord]:
         return self.table.records
 
-    @property
-    def module_records(self) -> dict[nn.Module, list[ParamRecord]]:
-        return self.table.module_records
-
     def record_of(self, param: torch.Tensor) -> ParamRecord:
         """The side-table entry of ``param``."""
         return self.table.record_of(param)
-
-    def lookup(self, tensor: torch.Tensor) -> ParamRecord | None:
-        """The record of a managed parameter by identity (None for any other tensor); no checks: hot path."""
-        return self.table.by_id.get(id(tensor))
 
     def is_host_param(self, param: torch.Tensor) -> bool:
         """Whether ``param`` lives on HOST outside the chunks (``cpu_embedding``)."""
@@ -293,9 +257,6 @@ class ChunkManager:
         """Whether this rank keeps ``family``'s chunks (always, on one rank)."""
         return self.sharding.owns(family)
 
-    def iter_chunks(self) -> Iterator[Chunk]:
-        return self.table.iter_chunks()
-
     # ---- residency (used by the optimizer step, loads and tests) ---------------------------------------
     @property
     def stats(self):  # type: ignore[no-untyped-def]  # TransferStats
@@ -304,21 +265,6 @@ class ChunkManager:
     @property
     def optimizer_tier(self) -> Tier:
         return self.residency.optimizer_tier
-
-    def optimizer_tier_of(self, family: ChunkFamily) -> Tier:
-        return self.residency.optimizer_tier_of(family)
-
-    def fetch(self, family: ChunkFamily, *, protect: set[int]) -> None:
-        self.residency.fetch(family, protect=protect)
-
-    def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
-        self.residency.move_param_chunk(family, tier, asynchronous=asynchronous)
-
-    def _device_chunk_bytes(self) -> int:
-        return self.residency.stats.per_tier_bytes[Tier.DEVICE]
-
-    def _chunk_storage_ptrs(self) -> set[int]:
-        return self.residency.storage_ptrs(list(self.iter_chunks()))
 
     # ---- gradients --------------------------------------------------------------------------------------
     @property

@@ -80,7 +80,7 @@ def _assert_unchanged(module: nn.Module, before: dict[str, tuple[int, int, torch
 
 
 def _records_of(manager: ChunkManager, module: nn.Module) -> list:  # type: ignore[type-arg]
-    return manager.module_records[module]
+    return manager.table.module_records[module]
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -97,7 +97,7 @@ def test_plan_tables_before_materialise() -> None:
     assert [r.family.family_id for r in manager.records] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [r.slot.offset for r in manager.records[:2]] == [0, 64]
     assert all(r.slot.state is TensorState.FREE for r in manager.records)
-    assert set(manager.module_records) == set(model)  # Sequential itself owns no parameter directly
+    assert set(manager.table.module_records) == set(model)  # Sequential itself owns no parameter directly
     assert manager.min_device_bytes() == (LAYER_BYTES_FP32, "0")
     assert manager.stats.per_tier_bytes == {Tier.DEVICE: 0, Tier.HOST: 0}
 
@@ -202,7 +202,7 @@ def test_tied_parameters_share_one_slot() -> None:
     slots = [s for f in manager.families for s in f.slots]
     assert len(slots) == 3
     assert manager.layout.payload_elements == 80 + 64 + 8
-    assert tied in manager.module_records[model.emb] and tied in manager.module_records[model.head]
+    assert tied in manager.table.module_records[model.emb] and tied in manager.table.module_records[model.head]
 
 
 def test_frozen_parameters_get_frozen_families_without_optimizer_chunks() -> None:
@@ -686,7 +686,7 @@ def test_restore_module_gives_ordinary_parameters(dtype: torch.dtype) -> None:
         assert _storage_ptr(p) not in chunk_storages
         assert p.untyped_storage().nbytes() == p.numel() * 4
         assert torch.equal(p.detach(), ref.detach()), name
-    assert all(c.tier is None for c in manager.iter_chunks())
+    assert all(c.tier is None for c in manager.table.iter_chunks())
     assert manager.stats.per_tier_bytes == {Tier.DEVICE: 0, Tier.HOST: 0}
     idx = torch.tensor([[1, 2, 3]])
     assert torch.equal(model(idx), reference(idx))
@@ -759,9 +759,9 @@ def test_moves_off_the_device_count_every_move_not_only_evictions() -> None:
     manager = _manager(model)
     manager.materialise()
     assert manager.stats.evictions == manager.stats.moves_off_device == 0
-    manager.move_param_chunk(manager.families[1], Tier.HOST)
-    manager.move_param_chunk(manager.families[1], Tier.DEVICE)
-    manager.move_param_chunk(manager.families[2], Tier.HOST)
+    manager.residency.move_param_chunk(manager.families[1], Tier.HOST)
+    manager.residency.move_param_chunk(manager.families[1], Tier.DEVICE)
+    manager.residency.move_param_chunk(manager.families[2], Tier.HOST)
     report = manager.memory_report()
     assert (report.evictions, report.moves_off_device) == (0, 2)
     assert report.d2h_bytes == 2 * LAYER_BYTES_FP32

@@ -335,8 +335,8 @@ def test_slots_are_compute_inside_forward() -> None:
     seen: list[tuple[TensorState, ...]] = []
 
     def spy(module: nn.Module, args: object) -> None:
-        seen.append(tuple(r.slot.state for r in manager.module_records[module]))
-        assert all(r.family.param_chunk.tier is Tier.DEVICE for r in manager.module_records[module])
+        seen.append(tuple(r.slot.state for r in manager.table.module_records[module]))
+        assert all(r.family.param_chunk.tier is Tier.DEVICE for r in manager.table.module_records[module])
 
     # registered after install: runs after the engine's pre-forward hook
     handles = [model[i].register_forward_pre_hook(spy) for i in (0, 2, 4, 5)]
@@ -392,7 +392,7 @@ def test_second_iteration_after_discard() -> None:
 def test_remove_hooks_cleanly() -> None:
     model = _mlp()
     manager, hooks = _setup(model)
-    assert all(len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1 for m in manager.module_records)
+    assert all(len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1 for m in manager.table.module_records)
     hooks.remove()
     for module in model.modules():
         assert len(module._forward_pre_hooks) == 0
@@ -419,9 +419,9 @@ def test_hooks_run_eagerly_under_compile_only_when_the_model_holds_compiled_code
     hooks = ModelHooks(manager)
     hooks.install()
     engine_hooks = [
-        h for m in manager.module_records for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
+        h for m in manager.table.module_records for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())
     ]
-    assert len(engine_hooks) == 2 * len(manager.module_records)
+    assert len(engine_hooks) == 2 * len(manager.table.module_records)
     disabled = [bool(getattr(h, "_torchdynamo_disable", False)) for h in engine_hooks]
     assert disabled == [compiled] * len(engine_hooks)
     hooks.remove()

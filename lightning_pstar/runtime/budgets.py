@@ -1,0 +1,102 @@
+"""The budgets a :class:`~lightning_pstar.runtime.manager.ChunkManager` plans at setup, before it allocates.
+
+The device budget (``device_memory_limit``, else a fraction of the GPU; the simulated device has none unless
+given), the host budget (``host_memory_limit``, else a fraction of this machine's RAM shared by its ranks),
+the layout on this device, and the check that the model fits both, with the capacity planner's arithmetic
+(:mod:`lightning_pstar.planning.requirements`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_pstar.config import PStarConfig
+from lightning_pstar.planning.layout import Layout
+from lightning_pstar.planning.requirements import (
+    BytesPerElement,
+    check_budgets,
+    chunk_layout,
+    host_embedding_bytes,
+    tier_need,
+)
+
+__all__ = ["check_setup_budgets", "device_budget_of", "host_budget_of", "host_ram_bytes", "plan_layout"]
+
+
+def host_ram_bytes() -> int:
+    """Physical RAM of this machine."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def device_budget_of(config: PStarConfig, device: torch.device) -> int | None:
+    """``device_limit``, else ``device_fraction`` of the GPU (None: the simulated device, unlimited)."""
+    limit = config.memory.device_limit_bytes
+    if limit is not None or device.type == "cpu":
+        return limit
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total * config.memory.device_fraction)
+
+
+def host_budget_of(config: PStarConfig, local_world_size: int) -> int:
+    """``host_limit``, else ``host_fraction`` of the RAM shared by the ranks of this machine."""
+    limit = config.memory.host_limit_bytes
+    if limit is not None:
+        return limit
+    return int(host_ram_bytes() * config.memory.host_fraction / max(1, local_world_size))
+
+
+def plan_layout(
+    named: Sequence[tuple[nn.Parameter, list[str]]],
+    config: PStarConfig,
+    *,
+    device_budget: int | None,
+    compute_dtype: torch.dtype,
+    world_size: int,
+    device: torch.device,
+) -> Layout:
+    """The chunk layout of ``named`` on ``device`` (on CUDA, pinned-memory-friendly sizes)."""
+    return chunk_layout(
+        named,
+        chunk_elements=config.chunks.elements,
+        device_budget=device_budget,
+        compute_itemsize=compute_dtype.itemsize,
+        world_size=world_size,
+        allocator_friendly=device.type == "cuda",  # pinned host buffers: [Note: pinned memory]
+    )
+
+
+def check_setup_budgets(
+    layout: Layout,
+    bpe: BytesPerElement,
+    *,
+    module_need: tuple[int, str],
+    host_params: Mapping[str, nn.Parameter],
+    world_size: int,
+    device_budget: int | None,
+    host_budget: int,
+    optimizer_on_host: bool,
+    static_fraction: float | None,
+) -> None:
+    """Raise a ``MemoryBudgetError`` with the numbers per tier unless the model fits both budgets
+    (``module_need``: the bytes one module needs resident, and its name)."""
+    tiers = tier_need(
+        layout,
+        bpe,
+        world_size=world_size,
+        device_budget=device_budget,
+        host_embedding_bytes=host_embedding_bytes(host_params, optimizer=bpe.optimizer),
+        optimizer_on_host=optimizer_on_host,
+    )
+    need, where = module_need
+    check_budgets(
+        need=need,
+        where=where,
+        tiers=tiers,
+        device_budget=device_budget,
+        host_budget=host_budget,
+        static_fraction=static_fraction,
+    )
