@@ -62,6 +62,9 @@ class MemoryReport:
     reduced_bytes: int = 0  # sent to reduce-scatters of gradients
     group_gathers: int = 0  # all-gathers of chunk groups started (prefetches included)
     group_prefetches: int = 0  # ... of which started ahead of use, overlapping the current group's compute
+    group_reductions: int = 0  # reduce-scatters of chunk groups' gradients started
+    group_second_rounds: int = 0  # ... of which second rounds (gradients some rank had after the group's first)
+    groups_kept: int = 0  # chunk groups a training forward keeps gathered for its backward (agreed after warm-up)
     pinned_bytes: int = 0  # pinned host memory torch's host allocator holds for chunk buffers (runtime/pinned.py)
     # placement's traffic against the yardstick ([Note: the yardstick] in runtime/yardstick.py); None: not known
     # (no device budget, before the first iteration after the warm-up, several ranks or optimizer steps)
@@ -130,6 +133,8 @@ class MemoryReport:
             ("all-gathered", fmt(self.gathered_bytes)),
             ("reduce-scattered", fmt(self.reduced_bytes)),
             ("group gathers (ahead of use)", f"{self.group_gathers} ({self.group_prefetches})"),
+            ("group reductions (second rounds)", f"{self.group_reductions} ({self.group_second_rounds})"),
+            ("groups kept for backward", str(self.groups_kept)),
         ]
         width = max(len(k) for k, _ in rows)
         return "PatrickStar memory report\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -23,6 +23,9 @@ class LocalSharding:
     distributed = False
     gathers = 0
     prefetches = 0
+    reductions = 0
+    second_rounds = 0
+    keep: frozenset[int] = frozenset()
 
     def __init__(self, grads: GradStore) -> None:
         self.grads = grads
@@ -48,8 +51,11 @@ class LocalSharding:
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
         self.grads.store_local(record, grad)
 
-    def plan_prefetch(self, fits_here: bool) -> bool:
+    def plan(self, prefetch_fits: bool, keep_groups: int) -> bool:
         return False
+
+    def num_groups(self) -> int:
+        return 0
 
     def group_bytes(self) -> int:
         return 0

@@ -31,12 +31,16 @@ point every rank reaches, in an order every rank computes the same way:
   (the tied head in forward) is gathered out of order, at the module's place in the sweep: safe when every
   rank runs that module (a module run on some ranks only that reuses a group the sweep passed is not
   supported);
-- gradients: at every sweep step of the backward the ranks start agreeing (one asynchronous
-  ``all_reduce(MIN)`` of a flag per group) which groups are complete on every rank, and at the next step
-  start reduce-scattering those (asynchronously too: the owners average them into their chunks once the
-  collective is done, at the latest at the end of the backward); the rest (a group with an expert one rank
-  did not use) are reduced at the end of the backward. Whether each slot got a gradient on any rank travels
-  in the reduce buffer's tail;
+- gradients: each group is reduce-scattered once per backward, asynchronously, at a sweep step every rank
+  computes the same way, and whether every rank had all of its gradients by then travels in the reduction's
+  own buffer (:mod:`~lightning_pstar.runtime.reduction`, [Note: the agreement in the reduction's buffer]): a
+  group some rank was incomplete for gets a second round at the end of the backward;
+- what the forward of a training pass gathered stays gathered into the backward for the last groups of the
+  forward sweep that fit the device budget (``keep``, agreed once by all ranks after the warm-up: every group
+  without a budget), so their backward needs no second all-gather. A kept group the forward would release is
+  *parked* instead: present, but a later use in the forward counts as the out-of-order gather it would have
+  been (without the collective), so the backward sweeps the groups in the same order as without keeping. A kept
+  group is released once the backward sweep has passed it, and at the end of the pass;
 - the next group of the sweep is all-gathered asynchronously while the current one computes
   (``prefetch``): the decision depends only on the sweep, and whether prefetching fits the device budget
   is agreed once by all ranks after the warm-up iteration.
@@ -56,6 +60,7 @@ from lightning_pstar.runtime.comm import ChunkComm, group_of, owner_of
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.local_sharding import LocalSharding
+from lightning_pstar.runtime.reduction import GroupReducer
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import TensorState, Tier
 
@@ -108,13 +113,9 @@ class GroupCoordinator:
         self.position: dict[int, int] = {}
         self.cursor = -1  # index in ``order`` of the last group the sweep reached
         self.forward_gathers: list[int] = []  # groups gathered by this pass's forward, in order
-        # gradients
-        self.local_grads: dict[int, torch.Tensor] = {}  # family -> fp32 local gradients (capacity,)
-        self.local_slots: dict[int, set[int]] = {}  # family -> records with a local gradient this backward
-        self.waiting: dict[int, int] = {}  # group -> trainable slots still without a local gradient
-        self.reduced: set[int] = set()  # groups whose reduction started in the current backward
-        self.agreement: tuple[list[int], torch.Tensor, Any] | None = None  # groups, complete flags, work
-        self.reducing: list[tuple[int, Any, torch.Tensor, list[torch.Tensor]]] = []  # group, work, output, inputs
+        self.keep: frozenset[int] = frozenset()  # groups a forward keeps gathered for its backward (plan)
+        self.parked: set[int] = set()  # kept groups the forward would have released: present, "released" for the order
+        self.reducer = GroupReducer(self.members, self.num_groups(), comm, grads, self.device)
         self._poison: dict[torch.dtype, torch.Tensor] = {}
         self.forward_order, self.module_position = sweep_plan(module_groups, len(families) // self.world_size)
         # counters (memory report, tests)
@@ -147,6 +148,7 @@ class GroupCoordinator:
 
     # ---- passes -----------------------------------------------------------------------------------------
     def _start_sweep(self, order: Iterable[int], *, backward: bool) -> None:
+        self.parked.clear()  # a new sweep: what is present is gathered
         self.order = list(order)
         self.position = {g: i for i, g in enumerate(self.order)}
         self.cursor = -1
@@ -176,14 +178,8 @@ class GroupCoordinator:
                 order.append(group)
         order += [g for g in reversed(range(self.num_groups())) if g not in seen]
         self._start_sweep(order, backward=True)
+        self.reducer.begin(order)
         self._prefetch_next(set())  # the first group, while the loss's backward starts
-        self.waiting = {}
-        self.agreement = None
-        for group in range(self.num_groups()):
-            count = sum(1 for f in self.members(group) if f.trainable for _ in f.records)
-            if count:
-                self.waiting[group] = count
-        self.reduced = set()
 
     def flush(self) -> None:
         """End of a pass: catch the sweep up (collectives a peer may need), reduce every group not reduced
@@ -191,14 +187,8 @@ class GroupCoordinator:
         if self.sweep is not Sweep.IDLE:
             self._sweep_to(len(self.order) - 1, protect=set())
             if self.sweep is Sweep.BACKWARD:
-                self._act_on_agreement()
-                for group in sorted(self.waiting):
-                    if group not in self.reduced:
-                        self.reduce_group(group)
-                self._store_reduced(block=True)
+                self.reducer.finish()
         self.sweep = Sweep.IDLE
-        self.waiting.clear()
-        self.reduced.clear()
         self.release_all()
 
     # ---- forward / backward access ----------------------------------------------------------------------
@@ -221,10 +211,11 @@ class GroupCoordinator:
         for group in groups:
             if self.position[group] > self.cursor:
                 self._sweep_to(self.position[group], guard)
+            elif group in self.parked:
+                self.parked.discard(group)  # kept: the out-of-order gather below, without its collective
+                self.forward_gathers.append(group)
             elif group not in self.gathered:
                 self._gather(group, guard)  # used again after the sweep passed it (a tied head)
-                if self.sweep is Sweep.BACKWARD:
-                    self._reduce_complete()
         self.release_passed(keep=set(groups))  # the slots of this access are not marked COMPUTE yet
         self._prefetch_next(guard)
 
@@ -235,7 +226,7 @@ class GroupCoordinator:
             if group not in self.gathered:
                 self._gather(group, protect)
             if self.sweep is Sweep.BACKWARD:
-                self._reduce_complete()
+                self.reducer.step(self.cursor)
 
     def _start_gather(self, group: int, protect: set[int]) -> Any:
         residency = self.residency
@@ -282,13 +273,21 @@ class GroupCoordinator:
         self.inflight[group] = self._start_gather(group, protect)
         self.prefetches += 1
 
-    def plan_prefetch(self, fits_here: bool) -> bool:
-        """After the warm-up: prefetch only if it fits the device budget on every rank (one collective)."""
-        flag = torch.tensor([1 if fits_here else 0], dtype=torch.int32, device=self.device)
-        work = self.comm.start_all_reduce_min(flag)
+    def plan(self, prefetch_fits: bool, keep_groups: int) -> bool:
+        """After the warm-up, one collective (a MIN; the due steps negated, so their maximum): prefetch only if
+        it fits the device budget on every rank, keep as many of the forward's last groups gathered into the
+        backward as fit on every rank, and reduce each group at the latest step any rank found it complete at
+        ([Note: the agreement in the reduction's buffer]). Returns whether prefetching is on."""
+        wanted = [1 if prefetch_fits else 0, max(0, min(keep_groups, self.num_groups()))]
+        wanted += [-d for d in self.reducer.schedule_wanted()]
+        agreed = torch.tensor(wanted, dtype=torch.int32, device=self.device)
+        work = self.comm.start_all_reduce_min(agreed)
         if work is not None:
             work.wait()
-        self.prefetch_enabled = bool(flag.item())
+        values = agreed.tolist()
+        self.prefetch_enabled = bool(values[0])
+        self.keep = frozenset(self.forward_order[len(self.forward_order) - values[1] :] if values[1] else ())
+        self.reducer.adopt_schedule([-v for v in values[2:]])
         return self.prefetch_enabled
 
     def group_bytes(self) -> int:
@@ -300,13 +299,17 @@ class GroupCoordinator:
         # in backward a group also stays while a slot in it waits for its final gradient (a tied weight used
         # again further down), as the original releases a remote chunk
         pending = TensorState.HOLD_AFTER_FWD if self.sweep is Sweep.BACKWARD else TensorState.COMPUTE
+        kept = self.keep if self.sweep is Sweep.FORWARD else frozenset()
         for group in sorted(self.gathered):
-            if group in keep or self.position.get(group, -1) >= self.cursor:
+            if group in keep or group in self.parked or self.position.get(group, -1) >= self.cursor:
                 continue
             members = self.members(group)
             if any(s.state is TensorState.COMPUTE or s.state is pending for f in members for s in f.slots):
                 continue
-            self._release_group(group)
+            if group in kept:
+                self.parked.add(group)
+            else:
+                self._release_group(group)
 
     def _release_group(self, group: int) -> None:
         for family in self.members(group):
@@ -321,115 +324,30 @@ class GroupCoordinator:
         for group, work in sorted(self.inflight.items()):
             self._finish_gather(group, work)  # never free a buffer a collective still writes
         self.inflight.clear()
+        self.parked.clear()
         for group in sorted(self.gathered):
             members = self.members(group)
             if not any(s.state is TensorState.COMPUTE for f in members for s in f.slots):
                 self._release_group(group)
 
-    # ---- gradients --------------------------------------------------------------------------------------
-    def _tail(self, group: int) -> int:
-        """Elements after a family's gradients in its reduce buffer: one presence flag per record (the most
-        records of a family in the group, so that every rank's input has the same size)."""
-        return max(len(f.records) for f in self.members(group))
-
+    # ---- gradients ([Note: the agreement in the reduction's buffer]) ---------------------------------------
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        """Keep a local gradient until its group is complete on every rank (reduced at a sweep step)."""
+        """Keep a local gradient until its group's reduction (at a sweep step, or the end of the backward)."""
         if self.sweep is not Sweep.BACKWARD:
             self.begin_backward()
-        family = record.family
-        group = self.group_of(family)
-        if group in self.reduced:
-            raise RuntimeError(
-                f"parameter '{record.names[0]}' received a gradient after its chunk group was reduced in this"
-                " backward (it was used outside any module's forward after its group completed). HINT: call it"
-                " through its module, or train on one rank."
-            )
-        buf = self.local_grads.get(family.family_id)
-        if buf is None:
-            size = family.capacity + self._tail(group)
-            buf = torch.zeros(size, dtype=torch.float32, device=self.device)
-            self.local_grads[family.family_id] = buf
-        view = buf[record.slot.offset : record.slot.offset + record.slot.numel].view(record.slot.shape)
-        slots = self.local_slots.setdefault(family.family_id, set())
-        if record.index in slots:  # pragma: no cover - autograd reports a leaf's gradient once per backward
-            view.add_(grad)
-        else:
-            view.copy_(grad)
-            slots.add(record.index)
-            self.waiting[group] -= 1
-        record.slot.set_state(TensorState.HOLD, chunk_id=family.family_id)  # the weight is still in the slot
-
-    def _reduce_complete(self) -> None:
-        """A backward sweep step (every rank is here): reduce the groups the previous step's agreement found
-        complete on every rank, then start agreeing on the groups complete now. The agreement (an
-        ``all_reduce(MIN)`` of one flag per group) and the reductions run while backward computes; acting on an
-        agreement one step later keeps the decision the same on every rank without waiting for it at once."""
-        self._store_reduced(block=False)
-        self._act_on_agreement()
-        candidates = [g for g in self.waiting if g not in self.reduced]
-        if candidates:
-            flags = torch.tensor([self.waiting[g] == 0 for g in candidates], dtype=torch.uint8, device=self.device)
-            self.agreement = (candidates, flags, self.comm.start_all_reduce_min(flags))
-
-    def _act_on_agreement(self) -> None:
-        if self.agreement is None:
-            return
-        candidates, flags, work = self.agreement
-        self.agreement = None
-        if work is not None:
-            work.wait()
-        for group, complete in zip(candidates, flags.tolist(), strict=True):
-            if complete:
-                self.reduce_group(group)
-
-    def reduce_group(self, group: int) -> None:
-        """Start reduce-scattering the group's local gradients (summed) to their owners; the presence of each
-        slot's gradient on any rank travels in the same buffer (a slot without one is not stepped, as in torch)."""
-        members = self.members(group)
-        own = members[self.rank]
-        device = self.device
-        tail = self._tail(group)
-        inputs: list[torch.Tensor] = []
-        for family in members:
-            buf = self.local_grads.pop(family.family_id, None)
-            if buf is None:
-                buf = torch.zeros(family.capacity + tail, dtype=torch.float32, device=device)
-            got = self.local_slots.pop(family.family_id, set())
-            flags = [1.0 if r.index in got else 0.0 for r in family.records]
-            flags += [0.0] * (tail - len(flags))
-            buf[family.capacity :].copy_(torch.tensor(flags, dtype=torch.float32))
-            inputs.append(buf)
-        output = torch.empty(own.capacity + tail, dtype=torch.float32, device=device)
-        with torch.profiler.record_function("pstar::reduce_scatter"):
-            work = self.comm.start_reduce_scatter(inputs, output)
-        self.reducing.append((group, work, output, inputs))
-        self.reduced.add(group)
-
-    def _store_reduced(self, *, block: bool) -> None:
-        """Average finished reductions into the owners' chunks, oldest first (all of them if ``block``)."""
-        while self.reducing:
-            group, work, output, _inputs = self.reducing[0]
-            if work is not None:
-                if not block and not work.is_completed():
-                    return
-                work.wait()
-            self.reducing.pop(0)
-            own = self.members(group)[self.rank]
-            output.div_(self.world_size)
-            present = output[own.capacity : own.capacity + len(own.records)].tolist()
-            for record, flag in zip(own.records, present, strict=True):
-                if flag > 0:
-                    slot = record.slot
-                    self.grads.store(record, output[slot.offset : slot.offset + slot.numel])
+        self.reducer.grad_ready(record, grad, self.cursor)
 
     def discard(self) -> None:
         """Forget local gradients that were never reduced (zero_grad before a step)."""
-        self._store_reduced(block=True)  # never drop a buffer a collective still uses
-        self.agreement = None
-        self.local_grads.clear()
-        self.local_slots.clear()
-        self.waiting.clear()
-        self.reduced.clear()
+        self.reducer.discard()
+
+    @property
+    def reductions(self) -> int:
+        return self.reducer.reductions
+
+    @property
+    def second_rounds(self) -> int:
+        return self.reducer.second_rounds
 
     # ---- setup -------------------------------------------------------------------------------------------
     def start(self, records: Sequence[ParamRecord], layout: tuple[int, int, int, int], detail: str) -> None:

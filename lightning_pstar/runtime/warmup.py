@@ -5,7 +5,8 @@ the chunks it needs and the non-model memory measured then. Three decisions foll
 - a moment whose chunks and activations exceed the device budget is an error now, naming the moment (the
   iteration could not run without the allocator failing somewhere later);
 - with several ranks, whether the next chunk group is gathered ahead of use (two more groups must fit at the
-  warm-up's peak on every rank: one collective, see :mod:`~lightning_pstar.runtime.sharding`);
+  warm-up's peak on every rank), how many groups stay gathered from forward into backward, and at which sweep
+  step each group's gradients are reduced: one collective, see :mod:`~lightning_pstar.runtime.sharding`;
 - under ``auto`` placement, which optimizer-state families step on the device (the margin at the step);
 - the yardstick ([Note: the yardstick] in :mod:`~lightning_pstar.runtime.yardstick`): the fewest bytes any
   placement could move per iteration with this trace and budget, bracketed, and the plan auto follows.
@@ -44,13 +45,7 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
     needs = tracer.trace.device_need(chunk_bytes)
     budget = residency.device_budget
     if sharding.distributed:
-        fits = True
-        if budget is not None:
-            moments = tracer.trace.moments
-            peak = max((n for n, m in zip(needs, moments, strict=True) if m.kind is not MomentKind.STEP), default=0)
-            fits = peak + 2 * sharding.group_bytes() <= budget
-        enabled = sharding.plan_prefetch(fits)
-        log.info("PatrickStar: chunk groups are %sgathered ahead of use", "" if enabled else "not ")
+        _plan_gathers(tracer, needs, budget, sharding)
     if budget is None:
         return
     if residency.policy.name == "auto":
@@ -62,6 +57,27 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
         plan = residency.bounds.keep
         residency.policy.adopt_plan({t: plan[p] for t, p in problem.moment_point.items()})
     log.info("PatrickStar: the yardstick (bytes per iteration): %s", residency.bounds)
+
+
+def _plan_gathers(tracer: MemoryTracer, needs: Sequence[int], budget: int | None, sharding: Sharding) -> None:
+    """Several ranks: whether the next group is gathered ahead of use (two more groups at the warm-up's peak), and
+    how many of the forward's last groups stay gathered into the backward (each one more group at the peak,
+    beside the prefetch's); every rank's figures, agreed in one collective (``GroupCoordinator.plan``)."""
+    groups = sharding.num_groups()
+    fits, keep = True, groups
+    if budget is not None:
+        moments = tracer.trace.moments
+        peak = max((n for n, m in zip(needs, moments, strict=True) if m.kind is not MomentKind.STEP), default=0)
+        group = max(sharding.group_bytes(), 1)
+        fits = peak + 2 * group <= budget
+        keep = max(0, (budget - peak - (2 * group if fits else 0)) // group)
+    enabled = sharding.plan(fits, keep)
+    log.info(
+        "PatrickStar: chunk groups are %sgathered ahead of use; %d of %d stay gathered from forward into backward",
+        "" if enabled else "not ",
+        len(sharding.keep),
+        groups,
+    )
 
 
 def check_before_warmup_step(tracer: MemoryTracer, residency: Residency, comm: ChunkComm) -> None:

@@ -7,14 +7,16 @@ and each call is appended to :attr:`RecordingComm.calls` as a :class:`Call` (nam
 :func:`label_groups` the chunk group). Collectives pair by position, so ranks follow the protocol when their lists
 are identical.
 
-The one answer a rank acts on is the ``all_reduce(MIN)`` agreement (which chunk groups are complete on every rank,
-whether prefetching fits everywhere). A real MIN gives every rank the same answer, taken from every rank's flags;
-simulated ranks run one after the other, so :class:`Agreement` finds those answers as a fixed point instead: each
-round runs every rank from scratch with the answers of the previous round and records each rank's own flags. The
-k-th answer depends only on the answers before it, so after round k the first k answers are the ones a real MIN
-gives, and the rounds stop when nothing changes. (A fake that left the flags as they are would let each rank act
-on its own flags alone: a rank that ran an expert would reduce that expert's group early and its peer only at the
-end of the backward -- a difference of the harness, not of the protocol.)
+Two answers are what a rank acts on: each ``all_reduce(MIN)`` (the plan after the warm-up: whether prefetching
+fits everywhere, how many groups stay gathered, each group's due step) and the incomplete-ranks counter that ends
+every reduce-scatter's buffers (a SUM over ranks: [Note: the agreement in the reduction's buffer] in
+``lightning_pstar/runtime/reduction.py``). A real collective gives every rank the same answer, taken from every
+rank's values; simulated ranks run one after the other, so :class:`Agreement` finds those answers as a fixed point
+instead: each round runs every rank from scratch with the answers of the previous round and records each rank's own
+values. The k-th answer depends only on the answers before it, so after round k the first k answers are the ones
+real collectives give, and the rounds stop when nothing changes. (A fake that left each rank its own values would
+let a rank act on them alone: a rank that ran an expert would find its group complete and skip the second round its
+peer issues -- a difference of the harness, not of the protocol.)
 """
 
 from __future__ import annotations
@@ -47,38 +49,40 @@ class Call:
 
 
 class Agreement:
-    """The answers of the ``all_reduce(MIN)`` calls of one simulated run, shared by every rank's fake comm.
+    """The answers of the collectives ranks act on in one simulated run, shared by every rank's fake comm.
 
-    ``answers[k]`` is what every rank's k-th MIN returns; a call without an answer yet returns zeros (nothing
-    agreed). :meth:`next_round` takes the element-wise minimum of the flags the ranks passed.
+    ``answers[k]`` is what every rank's k-th such call returns (``("min", values)`` for an ``all_reduce(MIN)``,
+    ``("sum", [counter])`` for a reduce-scatter's counter); a call without an answer yet returns zeros (nothing
+    agreed, nobody incomplete). :meth:`next_round` reduces the values the ranks passed.
     """
 
     def __init__(self, world_size: int = 2) -> None:
         self.world_size = world_size
-        self.answers: list[list[int]] = []
-        self.flags: dict[int, list[list[int]]] = {}  # rank -> the flags it passed to each MIN call, in order
+        self.answers: list[tuple[str, list[int]]] = []
+        self.flags: dict[int, list[tuple[str, list[int]]]] = {}  # rank -> what it passed to each call, in order
 
     def start(self) -> None:
-        """A round begins: forget the flags of the last one."""
+        """A round begins: forget the values of the last one."""
         self.flags = {}
 
-    def answer(self, rank: int, tensor: torch.Tensor) -> None:
+    def answer(self, rank: int, op: str, values: list[int]) -> list[int]:
         passed = self.flags.setdefault(rank, [])
         k = len(passed)
-        passed.append([int(v) for v in tensor.tolist()])
-        if k < len(self.answers) and len(self.answers[k]) == tensor.numel():
-            tensor.copy_(torch.tensor(self.answers[k], dtype=tensor.dtype))
-        else:
-            tensor.zero_()
+        passed.append((op, values))
+        if k < len(self.answers) and self.answers[k][0] == op and len(self.answers[k][1]) == len(values):
+            return list(self.answers[k][1])
+        return [0] * len(values)
 
     def next_round(self) -> bool:
-        """Compute the answers from the flags just passed; whether they changed (another round is needed)."""
+        """Compute the answers from the values just passed; whether they changed (another round is needed)."""
         per_rank = [self.flags.get(rank, []) for rank in range(self.world_size)]
-        answers: list[list[int]] = []
+        answers: list[tuple[str, list[int]]] = []
         for calls in zip(*per_rank, strict=False):
-            if len({len(c) for c in calls}) != 1:
+            if len({(op, len(v)) for op, v in calls}) != 1:
                 break  # the ranks disagree on the call already: the sequences differ, the test says where
-            answers.append([min(values) for values in zip(*calls, strict=True)])
+            op = calls[0][0]
+            reduce = min if op == "min" else sum
+            answers.append((op, [reduce(values) for values in zip(*(v for _, v in calls), strict=True)]))
         changed = answers != self.answers
         self.answers = answers
         return changed
@@ -126,12 +130,15 @@ class RecordingComm:
         assert len({(t.numel(), t.dtype) for t in (*inputs, output)}) == 1, "reduce-scatter buffers differ in size"
         self._record("reduce_scatter", [*inputs, output])
         self.reduced_bytes += sum(t.numel() * t.element_size() for t in inputs)
-        output.copy_(inputs[self.rank])  # as if the peers sent zeros (the presence flags stay this rank's)
+        output.copy_(inputs[self.rank])  # as if the peers sent zeros (the presence flags stay this rank's) ...
+        (counter,) = self.agreement.answer(self.rank, "sum", [int(inputs[self.rank][-1].item())])
+        output[-1] = counter  # ... but the incomplete-ranks counter is every rank's sum
         return None
 
     def start_all_reduce_min(self, tensor: torch.Tensor) -> Any:
         self._record("all_reduce_min", [tensor])
-        self.agreement.answer(self.rank, tensor)
+        answer = self.agreement.answer(self.rank, "min", [int(v) for v in tensor.tolist()])
+        tensor.copy_(torch.tensor(answer, dtype=tensor.dtype))
         return None
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -159,15 +166,15 @@ class RecordingComm:
 def label_groups(sharding: GroupCoordinator, comm: RecordingComm) -> None:
     """Tell ``comm`` which chunk group each all-gather and reduce-scatter is for: two groups of the same capacity
     give collectives of the same shapes, and pairing those of different groups would exchange the wrong chunks."""
-    start_gather, reduce_group = sharding._start_gather, sharding.reduce_group
+    start_gather, reduce_group = sharding._start_gather, sharding.reducer.reduce
 
     def labelled_gather(group: int, protect: set[int]) -> Any:
         comm.label = group
         return start_gather(group, protect)
 
-    def labelled_reduce(group: int) -> None:
+    def labelled_reduce(group: int, *, final: bool) -> None:
         comm.label = group
-        reduce_group(group)
+        reduce_group(group, final=final)
 
     sharding._start_gather = labelled_gather  # type: ignore[method-assign]
-    sharding.reduce_group = labelled_reduce  # type: ignore[method-assign]
+    sharding.reducer.reduce = labelled_reduce  # type: ignore[method-assign]

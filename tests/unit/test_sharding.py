@@ -273,16 +273,19 @@ def test_fake_ranks_own_alternate_families_and_issue_the_same_setup() -> None:
     assert count(setup, "broadcast<0") == len(r0.manager.records)  # then start from rank 0's weights
 
 
-def test_agreement_settles_on_the_minimum_of_both_ranks_flags() -> None:
-    """The ranks' own flags differ (a group complete on the rank that ran its experts only): the answers are what
-    a real all_reduce(MIN) gives, so a rank never acts on its flags alone."""
+def test_agreement_settles_on_what_real_collectives_answer() -> None:
+    """The ranks' own values differ (a group complete on the rank that ran its experts only): the answers are what
+    a real all_reduce(MIN) and a real reduce-scatter's sum give, so a rank never acts on its own values alone."""
     run = simulate(moe(), [steps(tokens(RANK0_EXPERTS, seed=1)), steps(tokens(RANK1_EXPERTS, seed=2))])
     flags, answers = run.agreement.flags, run.agreement.answers
     assert len(flags[0]) == len(flags[1]) == len(answers) > 0
-    for f0, f1, answer in zip(flags[0], flags[1], answers, strict=True):
-        assert answer == [min(a, b) for a, b in zip(f0, f1, strict=True)]
+    for (op0, v0), (op1, v1), (op, answer) in zip(flags[0], flags[1], answers, strict=True):
+        assert op0 == op1 == op
+        reduce = min if op == "min" else sum
+        assert answer == [reduce(values) for values in zip(v0, v1, strict=True)]
     assert flags[0] != flags[1], "the case where agreement matters did not arise"
-    assert any(1 in a for a in answers[:-1]), "no group was agreed complete during the backward"
+    # a group one rank was complete for and the other not: both learn it from the counter, and both reduce it again
+    assert any(op == "sum" and v0 != v1 for (op, v0), (_, v1) in zip(flags[0], flags[1], strict=True))
     assert run.rounds >= 2
 
 
@@ -297,12 +300,15 @@ def test_moe_ranks_running_different_experts_issue_one_sequence() -> None:
 
     r0 = run.ranks[0]
     groups, trainable = r0.sharding.num_groups(), trainable_groups(r0)
-    # the forward sweep gathers every group once (its catch-up included), the backward every group but the last
-    # one of the forward, which is still present when the backward starts
+    # the warm-up: the forward sweep gathers every group once (its catch-up included), the backward every group but
+    # the last one of the forward, which is still present when the backward starts
     assert count(calls, "all_gather") == 2 * groups - 1
-    assert count(calls, "reduce_scatter") == trainable  # each group with gradients, once per backward
+    # each group with gradients once per backward, and a second time where some rank's gradients came after its
+    # round (an expert it did not run: found out by the counter in the reduction's buffer, not by a collective)
+    assert trainable < count(calls, "reduce_scatter") <= 2 * trainable
     assert count(calls, "all_reduce_sum") == 1  # the optimizer's global norm
-    assert calls[-1] == Call("all_reduce_min", ((1,),), "int32")  # the prefetch plan after the warm-up
+    assert count(calls, "all_reduce_min") == 1  # the plan after the warm-up, and no per-step agreement
+    assert calls[-1] == Call("all_reduce_min", ((2 + groups,),), "int32")
     # some groups were agreed complete and reduced while the backward still gathered, the others (experts one rank
     # did not run) at its end
     first_reduce = next(i for i, c in enumerate(calls) if c.op == "reduce_scatter")
@@ -323,9 +329,11 @@ def test_moe_sequences_stay_identical_with_prefetch_and_changing_experts() -> No
     r0 = run.ranks[0]
     per_step = list(passes(calls))
     assert len(per_step) == 3
-    for step in per_step:
-        assert count(step, "reduce_scatter") == trainable_groups(r0)
-        assert count(step, "all_gather") == 2 * r0.sharding.num_groups() - 1
+    groups, trainable = r0.sharding.num_groups(), trainable_groups(r0)
+    for i, step in enumerate(per_step):
+        assert trainable <= count(step, "reduce_scatter") <= 2 * trainable
+        # after the warm-up every group stays gathered from forward into backward (no device budget)
+        assert count(step, "all_gather") == (2 * groups - 1 if i == 0 else groups)
     # (how many of the gathers were prefetches may differ: a rank that skipped the module at the cursor gathers
     # the next group when it needs it, at the same position in its sequence)
     assert all(r.sharding.prefetches > 0 for r in run.ranks)
@@ -336,7 +344,8 @@ def test_moe_accumulated_micro_batches_with_different_experts_issue_one_sequence
     rank1 = [tokens(RANK1_EXPERTS, seed=2), tokens(ALL_EXPERTS, seed=4)]
     run = simulate(moe(), [lambda r: train_step(r, *rank0), lambda r: train_step(r, *rank1)])
     calls = assert_same_sequence(run)
-    assert count(calls, "reduce_scatter") == 2 * trainable_groups(run.ranks[0])  # once per backward
+    trainable = trainable_groups(run.ranks[0])
+    assert 2 * trainable <= count(calls, "reduce_scatter") <= 4 * trainable  # once or twice per backward
 
 
 def test_moe_branch_run_on_one_rank_only_issues_one_sequence() -> None:
@@ -350,7 +359,8 @@ def test_moe_branch_run_on_one_rank_only_issues_one_sequence() -> None:
 
     run = simulate(moe(extra=True), [steps(b0), rank1])
     calls = assert_same_sequence(run)
-    assert count(calls, "reduce_scatter") == trainable_groups(run.ranks[0])
+    trainable = trainable_groups(run.ranks[0])
+    assert trainable <= count(calls, "reduce_scatter") <= 2 * trainable
 
 
 def test_moe_under_different_device_budgets_issues_one_sequence() -> None:
@@ -394,9 +404,13 @@ def test_dense_model_issues_one_sequence() -> None:
     groups = r0.sharding.num_groups()
     assert groups >= 4
     train = list(passes(calls))[:2]
-    for step in train:
-        assert count(step, "reduce_scatter") == trainable_groups(r0)
-        assert count(step, "all_gather") >= 2 * groups - 1
+    warmup, second = train
+    assert count(warmup, "reduce_scatter") >= trainable_groups(r0)
+    assert count(warmup, "all_gather") >= 2 * groups - 1
+    # after the warm-up's plan: every group gathered once and reduced once, no agreement: 2 x groups collectives
+    assert count(second, "reduce_scatter") == trainable_groups(r0)
+    assert count(second, "all_gather") == groups
+    assert second[0].op == "all_reduce_min" and count(second, "all_reduce_min") == 1  # the plan, nothing per step
     assert count(calls, "all_gather") >= sum(count(s, "all_gather") for s in train) + groups  # and the eval pass
 
 

@@ -1,0 +1,231 @@
+"""Gradient reduction of ZeRO data parallelism: one reduce-scatter per chunk group and backward, no agreement.
+
+[Note: the agreement in the reduction's buffer]
+Each rank writes the final local gradients of a backward into an fp32 buffer per family: the chunk's capacity,
+then a tail. A group is reduce-scattered to its owners at a backward sweep step that every rank computes the same
+way, the group's *due* step. Whether every rank had all of the group's gradients by then is not agreed on first
+(before, one ``all_reduce(MIN)`` of a flag per group ran at every sweep step): the reduction itself carries it.
+The last element of every member's part of a rank's input is 1 when that rank still waited for a gradient of the
+group, so each owner's output holds the number of ranks that were incomplete -- the same number on every rank.
+A group reduced while some rank was incomplete gets a second round at the end of the backward with the gradients
+that arrived since (zeros where none did), and the owners add the two rounds before averaging. A slot's gradient
+from each rank travels in exactly one of the two, so the sum is the same one, up to the reduction's own order of
+additions (which neither gloo nor NCCL fixes either). The rest of the tail says which slots had a gradient on any
+rank: a slot without one is not stepped, as in torch.
+
+Where the due steps come from: before the warm-up's plan, a group is due two steps after the sweep reached it
+(the next module's backward can start before the weight gradients of the last one are accumulated, so one step
+is often too early). During the warm-up every rank notes the
+sweep step at which each group became complete here; the plan after the warm-up (one collective, together with
+the prefetch decision) makes a group due one step after the latest such step on any rank, or at the end of the
+backward when some rank never completed it (an expert it did not run, a tied embedding whose gradient is final
+last). A repeating iteration then reduces each group once and waits on nothing; one that changes (experts that
+vary per step) pays a second round for what arrived late, and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.grads import GradStore
+from lightning_pstar.runtime.state import TensorState
+
+__all__ = ["GroupReducer"]
+
+
+@dataclass(eq=False)
+class _Round:
+    """One reduce-scatter of a group in flight (or done, not yet stored)."""
+
+    group: int
+    work: Any  # the collective's handle (None with a fake or one rank)
+    output: torch.Tensor
+    inputs: list[torch.Tensor]  # kept alive until the work is done
+    final: bool  # no second round can follow (the end of the backward)
+
+
+class GroupReducer:
+    """Keeps the local gradients of one backward and reduces them to their owners, group by group."""
+
+    def __init__(
+        self,
+        members: Callable[[int], list[ChunkFamily]],
+        num_groups: int,
+        comm: ChunkComm,
+        grads: GradStore,
+        device: torch.device,
+    ) -> None:
+        self.members = members
+        self.num_groups = num_groups
+        self.comm = comm
+        self.grads = grads
+        self.device = device
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.local_grads: dict[int, torch.Tensor] = {}  # family -> fp32 local gradients and tail
+        self.local_slots: dict[int, set[int]] = {}  # family -> records with a local gradient in the buffer
+        self.waiting: dict[int, int] = {}  # group -> trainable slots still without a local gradient
+        self.reduced: set[int] = set()  # groups whose (first) round started in this backward
+        self.closed: set[int] = set()  # groups whose last round started: no gradient may arrive any more
+        self.rounds: list[_Round] = []  # in flight, oldest first
+        self.partial: dict[int, torch.Tensor] = {}  # group -> first round's output, waiting for its second
+        self.late: set[int] = set()  # groups reduced while some rank was incomplete: a second round follows
+        # the schedule ([Note: the agreement in the reduction's buffer])
+        self.due: list[int] | None = None  # agreed due step per group (None: before the warm-up's plan)
+        self.complete_at: dict[int, int] = {}  # group -> latest sweep step it became complete here (warm-up)
+        self._position: dict[int, int] = {}
+        self._end = num_groups  # the due step meaning "the end of the backward" (the sweep has every group)
+        self.reductions = 0  # reduce-scatters started (memory report, benchmarks)
+        self.second_rounds = 0  # ... of which second rounds
+
+    def _tail(self, group: int) -> int:
+        """Elements after a family's gradients: a presence flag per record (the most records of a family in the
+        group, so that every rank's input has the same size), then the incomplete-ranks counter."""
+        return max(len(f.records) for f in self.members(group)) + 1
+
+    # ---- one backward -------------------------------------------------------------------------------------
+    def begin(self, order: list[int]) -> None:
+        """A backward starts; ``order``: the sweep's groups in order (every rank computes the same)."""
+        self._position = {g: i for i, g in enumerate(order)}
+        self._end = len(order)
+        self.waiting = {}
+        for group in range(self.num_groups):
+            count = sum(len(f.records) for f in self.members(group) if f.trainable)
+            if count:
+                self.waiting[group] = count
+        self.reduced = set()
+        self.closed = set()
+
+    def due_step(self, group: int) -> int:
+        if self.due is not None:
+            return self.due[group]
+        return min(self._position.get(group, self._end) + 2, self._end)
+
+    def grad_ready(self, record: ParamRecord, grad: torch.Tensor, cursor: int) -> None:
+        """Keep a local gradient until its group's round (``cursor``: the sweep step reached now)."""
+        family = record.family
+        group = family.family_id // self.world_size
+        if group in self.closed:
+            raise RuntimeError(
+                f"parameter '{record.names[0]}' received a gradient after the end of its backward's reduction"
+                " (a second backward through the same graph without a new forward?). HINT: run forward again"
+                " before each backward, or train on one rank."
+            )
+        buf = self.local_grads.get(family.family_id)
+        if buf is None:
+            buf = torch.zeros(family.capacity + self._tail(group), dtype=torch.float32, device=self.device)
+            self.local_grads[family.family_id] = buf
+        slot = record.slot
+        view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        slots = self.local_slots.setdefault(family.family_id, set())
+        if record.index in slots:  # pragma: no cover - autograd reports a leaf's gradient once per backward
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            slots.add(record.index)
+            self.waiting[group] -= 1
+            if self.waiting[group] == 0:
+                self.complete_at[group] = max(self.complete_at.get(group, -1), cursor)
+        record.slot.set_state(TensorState.HOLD, chunk_id=family.family_id)  # the weight is still in the slot
+
+    def step(self, index: int) -> None:
+        """Backward sweep step ``index`` (every rank is here): store finished rounds, start the groups due now."""
+        self.store(block=False)
+        due = [g for g in self.waiting if g not in self.reduced and self.due_step(g) <= index]
+        for group in sorted(due, key=lambda g: (self.due_step(g), g)):
+            self.reduce(group, final=False)
+
+    def finish(self) -> None:
+        """The end of the backward: every group not reduced yet gets its (only) round, then the groups some rank
+        was incomplete for get their second, and every result is stored."""
+        for group in sorted(self.waiting):
+            if group not in self.reduced:
+                self.reduce(group, final=True)
+        self.store(block=True)
+        for group in sorted(self.late):
+            self.reduce(group, final=True)
+            self.second_rounds += 1
+        self.late.clear()
+        self.store(block=True)
+
+    def reduce(self, group: int, *, final: bool) -> None:
+        """Start reduce-scattering the group's local gradients (summed) to their owners, with the tail."""
+        members = self.members(group)
+        tail = self._tail(group)
+        incomplete = 0.0 if final or self.waiting.get(group, 0) == 0 else 1.0
+        inputs: list[torch.Tensor] = []
+        for family in members:
+            buf = self.local_grads.pop(family.family_id, None)
+            if buf is None:
+                buf = torch.zeros(family.capacity + tail, dtype=torch.float32, device=self.device)
+            got = self.local_slots.pop(family.family_id, set())
+            flags = [1.0 if r.index in got else 0.0 for r in family.records]
+            flags += [0.0] * (tail - 1 - len(flags))
+            flags.append(incomplete)
+            buf[family.capacity :].copy_(torch.tensor(flags, dtype=torch.float32))
+            inputs.append(buf)
+        own = members[self.rank]
+        output = torch.empty(own.capacity + tail, dtype=torch.float32, device=self.device)
+        with torch.profiler.record_function("pstar::reduce_scatter"):
+            work = self.comm.start_reduce_scatter(inputs, output)
+        self.reductions += 1
+        self.rounds.append(_Round(group, work, output, inputs, final))
+        self.reduced.add(group)
+        if final:
+            self.closed.add(group)
+
+    def store(self, *, block: bool) -> None:
+        """Average finished rounds into the owners' chunks, oldest first (all of them if ``block``); a first round
+        some rank was incomplete for waits for its second."""
+        while self.rounds:
+            done = self.rounds[0]
+            if done.work is not None:
+                if not block and not done.work.is_completed():
+                    return
+                done.work.wait()
+            self.rounds.pop(0)
+            output = done.output
+            earlier = self.partial.pop(done.group, None)
+            if earlier is not None:
+                output.add_(earlier)
+            elif not done.final and output[-1].item() > 0:
+                self.partial[done.group] = output  # some rank still waited: the second round adds the rest
+                self.late.add(done.group)
+                continue
+            self._store_owned(done.group, output)
+
+    def _store_owned(self, group: int, output: torch.Tensor) -> None:
+        own = self.members(group)[self.rank]
+        output.div_(self.world_size)
+        present = output[own.capacity : own.capacity + len(own.records)].tolist()
+        for record, flag in zip(own.records, present, strict=True):
+            if flag > 0:
+                slot = record.slot
+                self.grads.store(record, output[slot.offset : slot.offset + slot.numel])
+
+    def discard(self) -> None:
+        """Forget local gradients that were never reduced (zero_grad before a step)."""
+        self.store(block=True)  # never drop a buffer a collective still uses
+        self.partial.clear()
+        self.late.clear()
+        self.local_grads.clear()
+        self.local_slots.clear()
+        self.waiting.clear()
+        self.reduced.clear()
+        self.closed.clear()
+
+    # ---- the plan after the warm-up -----------------------------------------------------------------------
+    def schedule_wanted(self) -> list[int]:
+        """Per group, the due step this rank's warm-up asks for: one after the step it became complete here,
+        or the end of the backward (``self._end``) if it never did."""
+        return [self.complete_at[g] + 1 if g in self.complete_at else self._end for g in range(self.num_groups)]
+
+    def adopt_schedule(self, due: list[int]) -> None:
+        """The agreed due steps: the latest any rank asked for."""
+        self.due = list(due)
