@@ -374,6 +374,46 @@ def test_moe_under_different_device_budgets_issues_one_sequence() -> None:
     assert r0.sharding.prefetch_enabled is r1.sharding.prefetch_enabled is False
 
 
+def test_groups_kept_for_the_backward_are_what_fits_the_tightest_budget() -> None:
+    # rank 0's budget holds five more groups at the warm-up's peak, rank 1's every group: both keep rank 0's figure,
+    # the forward's last five groups, and their backward gathers only the other three (the sweep's last group is
+    # present at the backward's start anyway); nothing is evicted to make room for what is kept
+    b0, b1 = tokens(RANK0_EXPERTS, seed=1), tokens(RANK1_EXPERTS, seed=2)
+    run = simulate(moe(), [steps(b0, b0, b0), steps(b1, b1, b1)], device_limits=(24 * 1024, 64 * 1024))
+    calls = assert_same_sequence(run)
+    r0, r1 = run.ranks
+    groups = r0.sharding.num_groups()
+    assert r0.sharding.keep == r1.sharding.keep == frozenset(r0.sharding.forward_order[-5:])
+    per_step = [count(step, "all_gather") for step in passes(calls)]
+    assert per_step == [2 * groups - 1] + [2 * groups - 1 - 4] * 2
+    assert r0.manager.stats.evictions == r1.manager.stats.evictions == 0
+    assert r0.manager.memory_report().groups_kept == 5
+
+
+def test_kept_groups_leave_the_backward_order_as_it_was() -> None:
+    # TinyGPT's tied head uses group 0 again after the forward sweep passed it. Without keeping, that is an
+    # out-of-order gather and the backward sweeps group 0 first; kept, the group is still present, and the
+    # backward must sweep in the same order (else its cursor runs to the end at the head's backward and every
+    # group's reduction comes before its gradients)
+    idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    orders: list[list[int]] = []
+
+    def script(r: Rank) -> None:
+        for _ in range(3):
+            train_step(r, idx)
+            orders.append(list(r.sharding.order))
+
+    run = simulate(tiny_gpt, [script] * WORLD, chunk_size=GPT_CHUNK)
+    calls = assert_same_sequence(run)
+    r0 = run.ranks[0]
+    assert r0.sharding.keep == frozenset(range(r0.sharding.num_groups()))
+    warmup_order = orders[-6]  # the last round's rank 0: its three steps
+    assert warmup_order[0] == 0 and orders[-5] == orders[-4] == warmup_order
+    for step in list(passes(calls))[1:]:
+        assert count(step, "reduce_scatter") == trainable_groups(r0)  # each once: the schedule fits the order
+    assert r0.manager.memory_report().group_second_rounds == run.ranks[1].sharding.second_rounds
+
+
 def test_moe_eval_pass_with_different_experts_issues_one_sequence() -> None:
     def script(experts: Sequence[int], seed: int) -> Script:
         def run(r: Rank) -> None:
