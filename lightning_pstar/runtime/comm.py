@@ -9,6 +9,7 @@ and no process group is needed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -16,7 +17,15 @@ import torch.distributed as dist
 
 from lightning_pstar.planning.layout import group_of, owner_of
 
-__all__ = ["ChunkComm", "group_for", "group_of", "owner_of"]
+__all__ = ["ChunkComm", "group_for", "group_of", "owner_of", "profiled"]
+
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def profiled(name: str) -> AbstractContextManager[Any]:
+    """A ``pstar::`` profiler range while a profiler records, else nothing: a range costs two dispatcher calls
+    even without one, and these run for every chunk group of every step."""
+    return torch.profiler.record_function(name) if _profiling() else nullcontext()
 
 
 def group_for(device: torch.device, group: Any | None, cpu_group: Any | None) -> Any | None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.comm import ChunkComm, profiled
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.state import TensorState
@@ -172,7 +172,7 @@ class GroupReducer:
             inputs.append(buf)
         own = members[self.rank]
         output = torch.empty(own.capacity + tail, dtype=torch.float32, device=self.device)
-        with torch.profiler.record_function("pstar::reduce_scatter"):
+        with profiled("pstar::reduce_scatter"):
             work = self.comm.start_reduce_scatter(inputs, output)
         self.reductions += 1
         self.rounds.append(_Round(group, work, output, inputs, final))

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from lightning_pstar.runtime.comm import ChunkComm, group_of, owner_of
+from lightning_pstar.runtime.comm import ChunkComm, group_of, owner_of, profiled
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.local_sharding import LocalSharding
@@ -240,7 +240,7 @@ class GroupCoordinator:
                 residency.ensure_device_room(chunk.nbytes, protect=guard)
                 chunk.allocate(Tier.DEVICE, zero=False)
         self.pinned.add(own.family_id)  # the send buffer stays in place until the gather is done
-        with torch.profiler.record_function("pstar::all_gather"):
+        with profiled("pstar::all_gather"):
             work = self.comm.all_gather_chunks([f.param_chunk.data for f in members], self.rank)
         self.gathers += 1
         return work
@@ -251,7 +251,7 @@ class GroupCoordinator:
 
     def _finish_gather(self, group: int, work: Any) -> None:
         if work is not None:
-            with torch.profiler.record_function("pstar::all_gather_wait"):
+            with profiled("pstar::all_gather_wait"):
                 work.wait()
         members = self.members(group)
         self.pinned.discard(members[self.rank].family_id)

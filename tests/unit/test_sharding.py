@@ -14,6 +14,7 @@ processes running the same model and steps through ``ChunkComm``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -24,7 +25,7 @@ from torch import nn
 
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.optim.optimizer import ChunkedOptimizer
-from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.comm import ChunkComm, profiled
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.sharding import GroupCoordinator, LocalSharding
@@ -514,3 +515,12 @@ def test_moe_with_a_tied_embedding_and_head_issues_one_sequence(phase: str, head
 
     run = simulate(tied, _train_or_eval(phase))
     assert_same_sequence(run)
+
+
+def test_collectives_carry_profiler_ranges_only_while_a_profiler_records() -> None:
+    r = make_rank(moe(), 0, agreement=Agreement())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        train_step(r, tokens(ALL_EXPERTS, seed=1))
+    names = {e.name for e in prof.events()}
+    assert {"pstar::all_gather", "pstar::reduce_scatter"} <= names
+    assert isinstance(profiled("pstar::all_gather"), contextlib.nullcontext)  # no profiler: no range
