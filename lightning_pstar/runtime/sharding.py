@@ -116,7 +116,7 @@ class GroupCoordinator:
         self.keep: frozenset[int] = frozenset()  # groups a forward keeps gathered for its backward (plan)
         self.parked: set[int] = set()  # kept groups the forward would have released: present, "released" for the order
         self.reducer = GroupReducer(self.members, self.num_groups(), comm, grads, self.device)
-        self._poison: dict[torch.dtype, torch.Tensor] = {}
+        self._poison: dict[torch.Size, torch.Tensor] = {}  # NaN views by shape, in the compute dtype
         self.forward_order, self.module_position = sweep_plan(module_groups, len(families) // self.world_size)
         # counters (memory report, tests)
         self.gathers = 0
@@ -139,12 +139,12 @@ class GroupCoordinator:
     # ---- parameters of released chunks ------------------------------------------------------------------
     def point_at_poison(self, record: ParamRecord) -> None:
         """A released remote chunk has no bytes here: its parameters read as NaN (never as stale weights)."""
-        dtype = self.compute_dtype
-        poison = self._poison.get(dtype)
-        if poison is None:
-            poison = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
-            self._poison[dtype] = poison
-        record.param.data = poison.expand(record.slot.shape)
+        shape = record.slot.shape
+        view = self._poison.get(shape)
+        if view is None:  # one expanded view per shape, made once (a release re-points every remote parameter)
+            one = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
+            view = self._poison[shape] = one.expand(shape)
+        record.param.data = view
 
     # ---- passes -----------------------------------------------------------------------------------------
     def _start_sweep(self, order: Iterable[int], *, backward: bool) -> None:

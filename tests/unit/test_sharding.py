@@ -524,3 +524,15 @@ def test_collectives_carry_profiler_ranges_only_while_a_profiler_records() -> No
     names = {e.name for e in prof.events()}
     assert {"pstar::all_gather", "pstar::reduce_scatter"} <= names
     assert isinstance(profiled("pstar::all_gather"), contextlib.nullcontext)  # no profiler: no range
+
+
+def test_released_remote_parameters_read_as_nan_and_owned_ones_as_weights() -> None:
+    r = make_rank(moe(), 0, agreement=Agreement())
+    train_step(r, tokens(ALL_EXPERTS, seed=1))  # the pass ends: every remote chunk is released
+    remote = [rec for rec in r.manager.records if not r.manager.owns(rec.family)]
+    owned = [rec for rec in r.manager.records if r.manager.owns(rec.family)]
+    assert remote and owned
+    for rec in remote:
+        assert rec.param.shape == rec.slot.shape and bool(torch.isnan(rec.param).all()), rec.names
+    for rec in owned:
+        assert bool(torch.isfinite(rec.param).all()), rec.names
