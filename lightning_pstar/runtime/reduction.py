@@ -72,7 +72,6 @@ class GroupReducer:
         self.local_slots: dict[int, set[int]] = {}  # family -> records with a local gradient in the buffer
         self.waiting: dict[int, int] = {}  # group -> trainable slots still without a local gradient
         self.reduced: set[int] = set()  # groups whose (first) round started in this backward
-        self.closed: set[int] = set()  # groups whose last round started: no gradient may arrive any more
         self.rounds: list[_Round] = []  # in flight, oldest first
         self.partial: dict[int, torch.Tensor] = {}  # group -> first round's output, waiting for its second
         self.late: set[int] = set()  # groups reduced while some rank was incomplete: a second round follows
@@ -100,7 +99,6 @@ class GroupReducer:
             if count:
                 self.waiting[group] = count
         self.reduced = set()
-        self.closed = set()
 
     def due_step(self, group: int) -> int:
         if self.due is not None:
@@ -111,12 +109,6 @@ class GroupReducer:
         """Keep a local gradient until its group's round (``cursor``: the sweep step reached now)."""
         family = record.family
         group = family.family_id // self.world_size
-        if group in self.closed:
-            raise RuntimeError(
-                f"parameter '{record.names[0]}' received a gradient after the end of its backward's reduction"
-                " (a second backward through the same graph without a new forward?). HINT: run forward again"
-                " before each backward, or train on one rank."
-            )
         buf = self.local_grads.get(family.family_id)
         if buf is None:
             buf = torch.zeros(family.capacity + self._tail(group), dtype=torch.float32, device=self.device)
@@ -143,7 +135,9 @@ class GroupReducer:
 
     def finish(self) -> None:
         """The end of the backward: every group not reduced yet gets its (only) round, then the groups some rank
-        was incomplete for get their second, and every result is stored."""
+        was incomplete for get their second, and every result is stored. (Only rounds started here are final:
+        the sweep's catch-up before it is a module's sweep step on a rank that ran the module, so a round there
+        asks for a second one as any other, or the ranks would disagree on it.)"""
         for group in sorted(self.waiting):
             if group not in self.reduced:
                 self.reduce(group, final=True)
@@ -177,8 +171,6 @@ class GroupReducer:
         self.reductions += 1
         self.rounds.append(_Round(group, work, output, inputs, final))
         self.reduced.add(group)
-        if final:
-            self.closed.add(group)
 
     def store(self, *, block: bool) -> None:
         """Average finished rounds into the owners' chunks, oldest first (all of them if ``block``); a first round
@@ -218,7 +210,6 @@ class GroupReducer:
         self.local_slots.clear()
         self.waiting.clear()
         self.reduced.clear()
-        self.closed.clear()
 
     # ---- the plan after the warm-up -----------------------------------------------------------------------
     def schedule_wanted(self) -> list[int]:
