@@ -36,7 +36,7 @@ several ranks])."""
 
 
 class Fit(Enum):
-    """The capacities the last chunk group of a kind may be fitted to (:func:`plan_layout`)."""
+    """The capacities a chunk group may be fitted to (:func:`plan_layout`), and the sizes the search tries."""
 
     ALIGNED = "aligned"
     """Any multiple of :data:`ALIGN` elements."""
@@ -83,7 +83,7 @@ class ChunkPlan:
 class Layout:
     """The result of planning: chunk families in module order."""
 
-    chunk_size: int  # elements; chunks holding one oversized parameter may be larger
+    chunk_size: int  # elements; chunks holding one oversized parameter may be larger, fitted groups smaller
     chunks: list[ChunkPlan]
     param_chunk: list[int]  # parameter index -> chunk id
     param_offset: list[int]  # parameter index -> offset in its chunk
@@ -128,15 +128,16 @@ def plan_layout(
         if spec.numel <= 0:
             raise ValueError(f"parameter '{spec.name}' has no elements; empty parameters cannot be chunked")
     if world_size == 1:
-        chunks = _pack_chunks(params, chunk_size)
-    else:
-        chunks = _pack_groups(params, chunk_size, world_size, fit_groups)
+        return _layout_of(params, _pack_chunks(params, chunk_size), chunk_size)
+    return _layout_of(params, _pack_groups(params, chunk_size, world_size, fit_groups), chunk_size)
+
+
+def _layout_of(params: Sequence[ParamSpec], chunks: list[ChunkPlan], chunk_size: int) -> Layout:
     param_chunk = [-1] * len(params)
     param_offset = [-1] * len(params)
     for plan in chunks:
         for index, offset in zip(plan.members, plan.offsets, strict=True):
-            param_chunk[index] = plan.chunk_id
-            param_offset[index] = offset
+            param_chunk[index], param_offset[index] = plan.chunk_id, offset
     return Layout(
         chunk_size=chunk_size,
         chunks=chunks,
@@ -411,18 +412,7 @@ def _balanced_layout(params: Sequence[ParamSpec], world_size: int, groups: int, 
                 plan.offsets.append(offset)
                 plan.used = offset + params[index].numel
             chunks.append(plan)
-    param_chunk = [-1] * len(params)
-    param_offset = [-1] * len(params)
-    for plan in chunks:
-        for index, offset in zip(plan.members, plan.offsets, strict=True):
-            param_chunk[index], param_offset[index] = plan.chunk_id, offset
-    return Layout(
-        chunk_size=max(c.capacity for c in chunks),
-        chunks=chunks,
-        param_chunk=param_chunk,
-        param_offset=param_offset,
-        payload_elements=sum(p.numel for p in params),
-    )
+    return _layout_of(params, chunks, max(c.capacity for c in chunks))
 
 
 def _balanced_bins(order: list[int], sizes: dict[int, int], n_bins: int, fit: Fit) -> tuple[int, list[list[int]]]:
