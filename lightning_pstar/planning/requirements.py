@@ -16,7 +16,7 @@ from typing import cast
 
 from torch import nn
 
-from lightning_pstar.planning.layout import Layout, ParamSpec, group_of, owner_of, plan_layout, search_chunk_size
+from lightning_pstar.planning.layout import Fit, Layout, ParamSpec, group_of, owner_of, plan_layout, search_chunk_size
 from lightning_pstar.report import format_bytes
 
 __all__ = [
@@ -175,6 +175,25 @@ def chunk_layout(
     ([Note: pinned memory] in ``runtime/pinned.py``). An explicit ``chunk_elements`` is kept as given.
     """
     specs = [ParamSpec(name=names[0], numel=p.numel(), trainable=p.requires_grad) for p, names in named]
+    if chunk_elements is None and allocator_friendly and world_size > 1:
+        # powers of two throughout, within 10 points of the one-rank friendly layout ([Note: utilisation at
+        # several ranks] in planning/layout.py)
+        one_rank = chunk_layout(
+            named,
+            chunk_elements=None,
+            device_budget=device_budget,
+            compute_itemsize=compute_itemsize,
+            world_size=1,
+            allocator_friendly=True,
+        )
+        return search_chunk_size(
+            specs,
+            device_budget_bytes=device_budget,
+            compute_itemsize=compute_itemsize,
+            world_size=world_size,
+            fit=Fit.POWER_OF_TWO,
+            reference=one_rank.utilisation,
+        )
     if chunk_elements is None:
         layout = search_chunk_size(
             specs, device_budget_bytes=device_budget, compute_itemsize=compute_itemsize, world_size=world_size

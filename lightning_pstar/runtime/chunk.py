@@ -276,7 +276,7 @@ class Chunk:
         else:
             target.copy_(source, non_blocking=False)
             if not keep:
-                source.untyped_storage().resize_(0)
+                host_arena().free(source)
         self._stats.freed(self._tier, self.nbytes)
         self._stats.allocated(tier, self.nbytes)
         self._stats.moved_bytes += self.nbytes
@@ -316,7 +316,7 @@ class Chunk:
         if self._host_read is not None:
             self._host_read = None  # the host allocator's event guards a pinned block ([Note: streams], rule 4)
         assert self._host_buffer is not None
-        self._host_buffer.untyped_storage().resize_(0)
+        host_arena().free(self._host_buffer)
         self._host_copy = False
         self._stats.host_copy_bytes -= self.nbytes
 
@@ -350,7 +350,7 @@ class Chunk:
             if self._host_copy:
                 self._host_read = pending  # kept for a clean eviction ([Note: clean evictions])
             else:
-                self._host_buffer.untyped_storage().resize_(0)  # the host allocator's event guards the block
+                host_arena().free(self._host_buffer)  # the host allocator's event guards the block
         else:
             pending.synchronize()
 
@@ -359,7 +359,7 @@ class Chunk:
         if self._tier is None:
             return
         self.drop_host_copy()
-        self.data.untyped_storage().resize_(0)
+        host_arena().free(self.data)
         self._stats.freed(self._tier, self.nbytes)
         self._tier = None
 

@@ -89,15 +89,21 @@ def pin_decision(*, reserved: int, nbytes: int, mem_total: int, share: float = P
 
 @dataclass
 class _SizeClass:
-    """The buffers of one block size and the blocks the allocator holds for them."""
+    """The buffers of one block size and the blocks the allocator holds for them (counts kept as they change)."""
 
-    buffers: list[weakref.ref[torch.Tensor]]
+    block: int  # bytes of one block
+    buffers: int = 0  # buffers of this class alive (handed out and not collected)
+    live: int = 0  # of them, those whose storage holds their block now
     held: int = 0  # blocks: the high-water mark of live buffers (freed blocks stay cached)
 
-    def live(self) -> int:
-        alive = [ref for ref in self.buffers if ref() is not None]
-        self.buffers[:] = alive
-        return sum(1 for ref in alive if (buf := ref()) is not None and buf.untyped_storage().nbytes() > 0)
+
+@dataclass
+class _Buffer:
+    """The ledger's entry for one buffer: its size class and the bytes it counts as live."""
+
+    ref: weakref.ref[torch.Tensor]
+    size_class: _SizeClass
+    live_nbytes: int = 0  # numel * itemsize while the storage holds its block, else 0
 
 
 class PinnedArena:
@@ -106,17 +112,48 @@ class PinnedArena:
     ``pin=False`` (no CUDA) backs the buffers the caller asks to pin with pageable memory and keeps the same
     ledger, which is then the model of what the caching allocator would hold (the CPU tests check the
     arithmetic there). A buffer the caller does not ask to pin (the simulated device) is outside the ledger.
+
+    [Note: running totals]
+    The host budget asks :meth:`extra_bytes` on every host-room check (once per eviction on CUDA), so the
+    ledger keeps its totals as blocks are taken (:meth:`back`), given back (:meth:`free`, and a buffer
+    collected: its weakref's callback) and released (:meth:`release`) instead of walking every buffer: each
+    query is O(1) or O(size classes). A ledger buffer's storage must therefore be freed through :meth:`free`;
+    one freed behind the arena's back (a bare ``resize_(0)``) is counted live until it is backed again, where
+    :meth:`back` sees its empty storage and corrects the totals. :meth:`recount_extra_bytes` is the full walk
+    the totals must equal.
     """
 
     def __init__(self, *, pin: bool, mem_total: int | None = None, share: float = PINNED_RAM_SHARE) -> None:
         self.pin = pin
         self.mem_total = mem_total_bytes() if mem_total is None else mem_total
         self.share = share
-        self._classes: dict[int, _SizeClass] = {}  # block bytes -> its buffers
+        self._classes: dict[int, _SizeClass] = {}  # block bytes -> its counts
         self._fallbacks = 0  # buffers made pageable because pinning them would pass the share of RAM
         self._warned_rounding = False
         # the buffers of the ledger, by id (a tensor's == is elementwise, so it cannot key a weak dict itself)
-        self._managed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._buffers: dict[int, _Buffer] = {}
+        self._live_nbytes = 0  # sum of live_nbytes over the ledger's buffers
+        self._held_bytes = 0  # sum of block * held over the size classes
+
+    def _entry(self, buf: torch.Tensor) -> _Buffer | None:
+        entry = self._buffers.get(id(buf))
+        return entry if entry is not None and entry.ref() is buf else None
+
+    def _set_live(self, entry: _Buffer, nbytes: int) -> None:
+        """Count ``entry`` live with ``nbytes`` (0: it holds nothing now)."""
+        if (entry.live_nbytes > 0) != (nbytes > 0):
+            entry.size_class.live += 1 if nbytes > 0 else -1
+        self._live_nbytes += nbytes - entry.live_nbytes
+        entry.live_nbytes = nbytes
+
+    def _collected(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
+        """A ledger buffer was collected: its block stays held in the cache (idle), it no longer counts."""
+        entry = self._buffers.get(key)
+        if entry is None or entry.ref is not ref:
+            return
+        del self._buffers[key]
+        self._set_live(entry, 0)
+        entry.size_class.buffers -= 1
 
     # ---- buffers ---------------------------------------------------------------------------------------------
     def unbacked(self, capacity: int, dtype: torch.dtype, *, pin: bool = True) -> torch.Tensor:
@@ -139,68 +176,90 @@ class PinnedArena:
                 )
         if pin and self._fallbacks == 0:
             buf = torch.empty(0, dtype=dtype, pin_memory=self.pin)
-            self._classes.setdefault(block_bytes(nbytes), _SizeClass(buffers=[])).buffers.append(weakref.ref(buf))
-            self._managed[id(buf)] = buf
+            block = block_bytes(nbytes)
+            size_class = self._classes.setdefault(block, _SizeClass(block=block))
+            size_class.buffers += 1
+            key = id(buf)
+            ref = weakref.ref(buf, lambda dead: self._collected(key, dead))
+            self._buffers[key] = _Buffer(ref=ref, size_class=size_class)
             return buf
         buf = torch.empty(capacity, dtype=dtype)  # pageable memory has no cache: shape now, storage freed
         buf.untyped_storage().resize_(0)
         return buf
 
     def back(self, buf: torch.Tensor, capacity: int) -> torch.Tensor:
-        """Give ``buf``'s own storage its bytes in place (the same storage object, see [Note: storage identity])
-        and, the first time, its ``capacity`` shape. A pinned buffer gets its whole block."""
+        """Take a block: give ``buf``'s own storage its bytes in place (the same storage object, see [Note: storage
+        identity]) and, the first time, its ``capacity`` shape. A pinned buffer gets its whole block."""
         nbytes = capacity * buf.element_size()
         storage = buf.untyped_storage()
+        entry = self._entry(buf)
         if storage.nbytes() == 0:
             block = block_bytes(nbytes)
-            size_class = self._classes.get(block) if self._managed.get(id(buf)) is buf else None
-            if size_class is not None:
-                if block != nbytes and not self._warned_rounding:
-                    self._warned_rounding = True
-                    log.warning(
-                        "PatrickStar: a host chunk buffer of %s pins %s (torch's host allocator rounds to powers of"
-                        " two; the rounding is accounted as held). HINT: chunk_size='auto' picks power-of-two"
-                        " capacities on CUDA.",
-                        format_bytes(nbytes, exact=True),
-                        format_bytes(block, exact=True),
-                    )
-                storage.resize_(block)
-                size_class.held = max(size_class.held, size_class.live())
-            else:
-                storage.resize_(nbytes)
+            if entry is not None and block != nbytes and not self._warned_rounding:
+                self._warned_rounding = True
+                log.warning(
+                    "PatrickStar: a host chunk buffer of %s pins %s (torch's host allocator rounds to powers of"
+                    " two; the rounding is accounted as held). HINT: chunk_size='auto' picks power-of-two"
+                    " capacities on CUDA.",
+                    format_bytes(nbytes, exact=True),
+                    format_bytes(block, exact=True),
+                )
+            storage.resize_(block if entry is not None else nbytes)
         if buf.numel() != capacity:
             buf.set_(storage, 0, (capacity,), (1,))
+        if entry is not None:  # also corrects the totals for a buffer freed behind the arena's back
+            self._set_live(entry, buf.numel() * buf.element_size())
+            size_class = entry.size_class
+            if size_class.live > size_class.held:
+                self._held_bytes += (size_class.live - size_class.held) * size_class.block
+                size_class.held = size_class.live
         return buf
+
+    def free(self, buf: torch.Tensor) -> None:
+        """Give a block back: free ``buf``'s storage in place (``resize_(0)``). A ledger buffer's block stays held
+        in the allocator's cache, idle; any other buffer (device, pageable) is only freed."""
+        entry = self._entry(buf)
+        if entry is not None:
+            self._set_live(entry, 0)
+        buf.untyped_storage().resize_(0)
 
     # ---- accounting ------------------------------------------------------------------------------------------
     @property
     def held_bytes(self) -> int:
         """Pinned bytes the allocator holds for chunk buffers now: live blocks and cached idle ones."""
-        return sum(block * c.held for block, c in self._classes.items())
+        return self._held_bytes
 
     def live_bytes(self) -> int:
         """Pinned bytes of buffers that hold a chunk's data now."""
-        return sum(block * c.live() for block, c in self._classes.items())
+        return sum(block * c.live for block, c in self._classes.items())
 
     def idle_bytes(self) -> int:
         """Pinned bytes held in the allocator's cache for chunk buffers that hold nothing now."""
-        return sum(block * (c.held - c.live()) for block, c in self._classes.items())
+        return sum(block * (c.held - c.live) for block, c in self._classes.items())
 
     def reusable(self, nbytes: int) -> bool:
         """Whether a new pinned buffer of ``nbytes`` would take an idle cached block (holding nothing new)."""
         size_class = self._classes.get(block_bytes(nbytes))
-        return size_class is not None and size_class.held > size_class.live()
+        return size_class is not None and size_class.held > size_class.live
 
     def extra_bytes(self) -> int:
         """What the allocator holds beyond the bytes of the chunks' live buffers: idle cached blocks and the
-        rounding of live ones (what the host budget adds to the chunks' own bytes)."""
+        rounding of live ones (what the host budget adds to the chunks' own bytes). O(1): [Note: running
+        totals]."""
+        return self._held_bytes - self._live_nbytes
+
+    def recount_extra_bytes(self) -> int:
+        """:meth:`extra_bytes` by walking every buffer of the ledger (O(buffers)): what the running totals must
+        equal while every free goes through :meth:`free`."""
         live = 0
-        for size_class in self._classes.values():
-            for ref in size_class.buffers:
-                buf = ref()
-                if buf is not None and buf.untyped_storage().nbytes() > 0:
-                    live += buf.numel() * buf.element_size()
-        return self.held_bytes - live
+        held = 0
+        for block, size_class in self._classes.items():
+            held += block * size_class.held
+        for entry in self._buffers.values():
+            buf = entry.ref()
+            if buf is not None and buf.untyped_storage().nbytes() > 0:
+                live += buf.numel() * buf.element_size()
+        return held - live
 
     def added_bytes(self, nbytes: int, buf: torch.Tensor | None = None) -> int:
         """Host bytes held in addition once a chunk buffer of ``nbytes`` is backed: its whole block, none when an
@@ -208,7 +267,7 @@ class PinnedArena:
         host buffer (a pinned one keeps its block after a fallback made later buffers pageable); None for a
         buffer not created yet."""
         if buf is not None:
-            pinned = self._managed.get(id(buf)) is buf
+            pinned = self._entry(buf) is not None
         else:
             pinned = bool(self.pin or self._classes) and not self._fallbacks
         if not pinned:
@@ -217,7 +276,7 @@ class PinnedArena:
 
     def reserved_bytes(self) -> int:
         """The most the pinned buffers handed out could ever hold at once (each its whole block)."""
-        return sum(block * max(len(c.buffers), c.held) for block, c in self._classes.items())
+        return sum(block * max(c.buffers, c.held) for block, c in self._classes.items())
 
     @property
     def fallbacks(self) -> int:
@@ -229,8 +288,9 @@ class PinnedArena:
         """Give the idle cached blocks back to the driver (teardown, after the chunks freed their storage); blocks
         still live stay held."""
         for size_class in self._classes.values():
-            size_class.held = size_class.live()
+            size_class.held = size_class.live
         self._classes = {b: c for b, c in self._classes.items() if c.held or c.buffers}
+        self._held_bytes = sum(block * c.held for block, c in self._classes.items())
         if self.pin and torch.cuda.is_available():
             torch.accelerator.empty_host_cache()
 

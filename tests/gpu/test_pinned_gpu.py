@@ -38,6 +38,8 @@ _SCRIPT = textwrap.dedent(
         def on_train_batch_end(self, *args) -> None:
             report = self.trainer.strategy.memory_report()
             self.seen.append((report.pinned_bytes, held() - BASE, report.host_chunk_bytes > 0))
+            arena = host_arena()  # the running totals are a recount of the buffers (issue 18)
+            assert arena.extra_bytes() == arena.recount_extra_bytes(), arena.recount_extra_bytes()
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)

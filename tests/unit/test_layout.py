@@ -5,8 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from lightning_pstar.planning.layout import ALIGN, ParamSpec, plan_layout, search_chunk_size
+from lightning_pstar.demos.gpt import GPT, GPTConfig
+from lightning_pstar.planning.layout import ALIGN, Fit, Layout, ParamSpec, group_of, plan_layout, search_chunk_size
+from lightning_pstar.planning.requirements import chunk_layout, collect_parameters
 
 
 def _p(name: str, numel: int, trainable: bool = True) -> ParamSpec:
@@ -245,10 +248,143 @@ def test_search_at_several_ranks_keeps_utilisation(n_layer: int, n_embd: int, wo
 
 
 def test_search_at_several_ranks_few_large_parameters() -> None:
-    """compare.py --quick's GPT (2 x 64): no layout of two groups or more comes within 10 points (every chunk
-    holds one of the largest parameters, and 8 chunks of them are the fewest that make whole groups); the
-    least wasteful is taken, not the 4-group one of 57 % that the narrow range forced."""
+    """compare.py --quick's GPT (2 x 64): in module order with chunks of its largest parameter 8 chunks make the
+    fewest whole groups; fitting every group's capacity to what it holds takes it past the 4-group layout of
+    57 % that the narrow range forced, and past the 84 % of the least wasteful unfitted layout."""
     params = _gpt_specs(2, 64)
     many = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2, world_size=2)
     _check_invariants(params, many)
     assert many.utilisation > 0.84
+
+
+# ---- issue 18: utilisation at several ranks ([Note: utilisation at several ranks]) ---------------------------
+def _check_groups(params: list[ParamSpec], layout: Layout, world_size: int) -> None:
+    """What the engine relies on at several ranks: whole groups of one kind and one aligned capacity, the
+    largest parameter whole in a chunk, every parameter placed once."""
+    _check_invariants(params, layout)
+    assert len(layout.chunks) % world_size == 0
+    for start in range(0, len(layout.chunks), world_size):
+        group = layout.chunks[start : start + world_size]
+        assert len({c.capacity for c in group}) == 1, [c.capacity for c in group]
+        assert len({c.trainable for c in group}) == 1
+        assert all(group_of(c.chunk_id, world_size) == start // world_size for c in group)
+        assert group[0].capacity % ALIGN == 0
+        assert all(c.used <= c.capacity for c in group)
+    placed = sorted(m for c in layout.chunks for m in c.members)
+    assert placed == list(range(len(params)))
+
+
+def _random_specs(seed: int, count: int, decades: float, frozen_every: int) -> list[ParamSpec]:
+    """Parameters of log-uniform sizes (1 to 10**decades elements), named as three per module."""
+    rng = random.Random(seed)
+    return [
+        _p(f"m{i // 3}.p{i}", int(10 ** rng.uniform(0, decades)), trainable=i % frozen_every != 2) for i in range(count)
+    ]
+
+
+_SHAPES = {
+    "gpt2x64": lambda: _gpt_specs(2, 64),
+    "gpt8x64": lambda: _gpt_specs(8, 64),
+    "gpt32x64": lambda: _gpt_specs(32, 64),
+    "gpt1x64": lambda: _gpt_specs(1, 64),
+    "gpt3x96": lambda: _gpt_specs(3, 96),
+    "gpt4x192": lambda: _gpt_specs(4, 192),
+    "gpt12x128": lambda: _gpt_specs(12, 128),
+    "gpt6x48": lambda: _gpt_specs(6, 48),
+    "mixed": _mixed_params,
+    "random1": lambda: _random_specs(1, 60, 3.7, 5),
+    "random2": lambda: _random_specs(2, 25, 4.0, 100),
+    "random3": lambda: _random_specs(3, 120, 3.0, 3),
+    "huge_embedding": lambda: _gpt_specs(4, 64, vocab=8192),
+}
+
+
+def _bound(params: list[ParamSpec], world_size: int) -> float:
+    """The best utilisation any layout can have: a group that holds the largest parameter has ``world_size``
+    chunks of at least its size (a parameter lies whole inside one chunk)."""
+    payload = sum(p.numel for p in params)
+    return payload / max(sum(_aligned(p.numel) for p in params), world_size * _aligned(max(p.numel for p in params)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("shape", list(_SHAPES))
+def test_utilisation_at_several_ranks_within_ten_points_of_one_rank(shape: str, world_size: int) -> None:
+    """Padding groups to the world size must not halve utilisation: at 2, 3 and 4 ranks the search stays within 10
+    points of the one-rank layout (of the best any layout can reach, where one parameter is so large that its
+    group alone is most of the model: the huge embedding at 3 and 4 ranks); at two ranks a rank's chunks are at
+    most 0.55 of the one-rank chunks plus one group."""
+    params = _SHAPES[shape]()
+    one = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2)
+    many = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2, world_size=world_size)
+    _check_groups(params, many, world_size)
+    assert many.chunk_size >= max(p.numel for p in params)
+    target = min(one.utilisation, _bound(params, world_size)) - 0.10
+    assert many.utilisation >= target, (one.utilisation, many.utilisation)
+    if world_size == 2:
+        group = max(c.capacity for c in many.chunks) * world_size
+        assert many.capacity_elements / world_size <= 0.55 * one.capacity_elements + group
+
+
+def test_the_huge_embedding_bound_is_what_limits_it() -> None:
+    """The bound the huge embedding is held to is below 10 points of one rank (so the test above needs it), and
+    the layout reaches it: the embedding's group holds the rest of the model in its other chunks."""
+    params = _SHAPES["huge_embedding"]()
+    one = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2)
+    assert _bound(params, 4) < one.utilisation - 0.10
+    many = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2, world_size=4)
+    assert many.utilisation == pytest.approx(_bound(params, 4))
+    assert len(many.chunks) == 4  # one group: the rest of the model shares the embedding's
+
+
+def test_a_large_parameters_group_fills_its_other_chunks() -> None:
+    params = [_p("big", 200), _p("a", 30), _p("b", 30), _p("c", 30), _p("d", 30), _p("e", 30)]  # an embedding first
+    layout = plan_layout(params, 64, world_size=2)
+    _check_groups(params, layout, 2)
+    big = layout.chunks[layout.param_chunk[0]]
+    assert big.capacity == 200
+    mate = layout.chunks[big.chunk_id ^ 1]  # the other chunk of its group
+    assert mate.capacity == 200 and len(mate.members) > 2  # more than a chunk of 64 would hold
+    assert layout.capacity_elements == 2 * 200  # one group holds everything
+
+
+def test_fitted_groups_shrink_a_short_last_group() -> None:
+    params = [_p(f"p{i}", 30) for i in range(9)]  # two per chunk of 64: four full chunks and one short
+    plain = plan_layout(params, 64, world_size=2)
+    fitted = plan_layout(params, 64, world_size=2, fit_groups=Fit.ALIGNED)
+    _check_groups(params, fitted, 2)
+    assert [c.capacity for c in plain.chunks] == [64] * 6
+    assert [c.capacity for c in fitted.chunks][-2:] == [32, 32]  # the last one's parameter alone
+    assert fitted.capacity_elements < plain.capacity_elements
+    two = plan_layout(params, 64, world_size=2, fit_groups=Fit.POWER_OF_TWO)
+    assert all(c.capacity & (c.capacity - 1) == 0 for c in two.chunks)
+
+
+def test_largest_first_packing_where_module_order_wastes_too_much() -> None:
+    """compare.py --quick's GPT at 4 ranks: any two groups in module order waste more than 14 points, one group
+    in module order more; packed largest first, one group of four chunks holds it with little waste."""
+    params = _gpt_specs(2, 64)
+    one = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2)
+    many = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2, world_size=4)
+    _check_groups(params, many, 4)
+    assert many.utilisation >= one.utilisation - 0.10
+    order = [m for c in many.chunks for m in c.members]
+    assert order != sorted(order)  # not module order across chunks: largest first
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("n_layer", [2, 8, 32])
+def test_cuda_layouts_at_several_ranks_are_powers_of_two_within_ten_points(n_layer: int, world_size: int) -> None:
+    """On CUDA (pinned host buffers) every capacity stays a power of two, within 10 points of one rank's."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=n_layer, n_head=2, n_embd=64))
+    named = collect_parameters(model, exclude=set())  # as the engine sees it: the tied embedding once
+
+    def layout(ws: int) -> Layout:
+        return chunk_layout(
+            named, chunk_elements=None, device_budget=None, compute_itemsize=2, world_size=ws, allocator_friendly=True
+        )
+
+    one, many = layout(1), layout(world_size)
+    assert all(c.capacity & (c.capacity - 1) == 0 for c in many.chunks)
+    assert len(many.chunks) % world_size == 0
+    assert many.utilisation >= one.utilisation - 0.10, (one.utilisation, many.utilisation)

@@ -52,7 +52,7 @@ def test_ledger_holds_the_high_water_mark_of_live_blocks_per_size_class() -> Non
     a.fill_(1.0)
     assert a.shape == (1024,) and torch.all(a == 1.0)
     assert arena.held_bytes == 2 * 4096 and arena.live_bytes() == 2 * 4096 and arena.extra_bytes() == 0
-    b.untyped_storage().resize_(0)  # a fetch frees its host source in place (chunk.py)
+    arena.free(b)  # a fetch frees its host source in place, through the arena (chunk.py)
     assert arena.held_bytes == 2 * 4096 and arena.live_bytes() == 4096 and arena.idle_bytes() == 4096
     assert arena.extra_bytes() == 4096 and arena.reusable(4096) and not arena.reusable(8192)
     assert arena.added_bytes(4096) == 0 and arena.added_bytes(8192) == 8192
@@ -84,14 +84,14 @@ def test_past_the_share_of_ram_buffers_are_pageable_with_one_warning(caplog: pyt
     assert all(t.shape == (1024,) for t in kept)
     assert arena.added_bytes(4096) == 4096  # pageable from now on: every byte counts as it is
     # a buffer pinned before the fallback keeps its block when it is backed again; a pageable one counts its bytes
-    kept[0].untyped_storage().resize_(0)
+    arena.free(kept[0])
     assert arena.added_bytes(4096, kept[0]) == 0  # its idle block takes it back
-    kept[1].untyped_storage().resize_(0)
-    kept[0].untyped_storage().resize_(4096)
+    arena.free(kept[1])
+    arena.back(kept[0], 1024)
     assert arena.added_bytes(4000, kept[1]) == 0 and arena.added_bytes(4096, kept[3]) == 4096
     odd = PinnedArena(pin=False, mem_total=8192, share=0.5)  # room for one 4 KiB block
     first, _ = _backed(odd, 1000), _backed(odd, 1000)  # the second falls back
-    first.untyped_storage().resize_(0)
+    odd.free(first)
     odd.release()  # the idle block goes back: backing it again takes a whole new 4 KiB block
     assert odd.fallbacks == 1 and odd.added_bytes(4000, first) == 4096
 
@@ -100,10 +100,10 @@ def test_release_gives_back_idle_blocks_and_keeps_live_ones() -> None:
     arena = PinnedArena(pin=False, mem_total=GIB)
     bufs = [_backed(arena, 2048) for _ in range(3)]
     for buf in bufs[1:]:
-        buf.untyped_storage().resize_(0)
+        arena.free(buf)
     arena.release()
     assert arena.held_bytes == 8192 and arena.idle_bytes() == 0
-    bufs[0].untyped_storage().resize_(0)
+    arena.free(bufs[0])
     arena.release()
     assert arena.held_bytes == 0 and arena.reserved_bytes() == 3 * 8192  # the buffers may be backed again
 
@@ -114,7 +114,7 @@ def test_the_host_budget_counts_idle_pinned_blocks(monkeypatch: pytest.MonkeyPat
     arena = PinnedArena(pin=False, mem_total=GIB)
     monkeypatch.setattr(pinned, "_ARENA", [arena])
     idle = _backed(arena, 1024)
-    idle.untyped_storage().resize_(0)  # one idle 4 KiB block held
+    arena.free(idle)  # one idle 4 KiB block held
     model = nn.Linear(4, 4)
     config = PStarConfig.from_flat(chunk_size=32, placement="static", host_memory_limit=4096 + 1000)
     manager = ChunkManager(model, config=config, compute_dtype=torch.float32, device=torch.device("cpu"))
