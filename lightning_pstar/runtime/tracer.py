@@ -39,6 +39,9 @@ class MomentKind(str, Enum):
     STEP = "step"
 
 
+_STEP = MomentKind.STEP  # module-level: an Enum member read through its class costs a lookup per moment
+
+
 @dataclass(frozen=True)
 class Moment:
     """One recorded moment: what ran, which chunk families it accessed, the non-model peak until the next."""
@@ -231,7 +234,7 @@ class MemoryTracer:
             return
         if not self.warmed_up or not self.matches:
             return
-        if kind is MomentKind.STEP:
+        if kind is _STEP:
             # the trace's next step: with several optimizers an iteration has several steps (a GAN's generator
             # and discriminator cycles); accumulated micro-batches each restart at the trace's first moment,
             # so their step is the trace's last
