@@ -58,9 +58,11 @@ class Trace:
 
     moments: list[Moment] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)  # family -> sorted moment indices
+    keys: list[tuple[MomentKind, int]] = field(default_factory=list)  # (kind, key) per moment, once finished
 
     def finish(self) -> None:
         self._uses = {}
+        self.keys = [(m.kind, m.key) for m in self.moments]
         for index, moment in enumerate(self.moments):
             for fid in moment.families:
                 self._uses.setdefault(fid, []).append(index)
@@ -234,6 +236,11 @@ class MemoryTracer:
             return
         if not self.warmed_up or not self.matches:
             return
+        nxt = self.cursor + 1
+        keys = self.trace.keys
+        if nxt < len(keys) and keys[nxt] == (kind, key):  # the iteration follows the trace (a step: the next one)
+            self.cursor = nxt
+            return
         if kind is _STEP:
             # the trace's next step: with several optimizers an iteration has several steps (a GAN's generator
             # and discriminator cycles); accumulated micro-batches each restart at the trace's first moment,
@@ -242,11 +249,6 @@ class MemoryTracer:
             after = self.cursor + 1
             steps = (i for i in range(max(after, 0), len(moments)) if moments[i].kind is MomentKind.STEP)
             self.cursor = next(steps, len(moments) - 1)
-            return
-        nxt = self.cursor + 1
-        moments = self.trace.moments
-        if nxt < len(moments) and moments[nxt].kind is kind and moments[nxt].key == key:
-            self.cursor = nxt
             return
         self.matches = False
         log.warning(
