@@ -264,6 +264,10 @@ class Chunk:
         asynchronous copy in flight). Shared: see [Note: cached views]."""
         if self._pending is not None:
             self.wait()
+        if self._tier is _DEVICE:  # the hot case, looked up here: one call less per gradient stored
+            hit = self._device_views.get(id(slot))
+            if hit is not None and hit[0] is slot and hit[1] is self._device_buffer:
+                return hit[2]
         return self.buffer_view(slot)
 
     def buffer_view(self, slot: Slot) -> torch.Tensor:

@@ -21,6 +21,9 @@ from lightning_pstar.runtime.state import SOURCES_OF, GradLocation, TensorState
 
 __all__ = ["ChunkFamily", "ParamRecord", "ParamTable", "move_slots", "release_slots"]
 
+# module-level: an Enum member read through its class costs a lookup, and these are read per module
+_PARAM, _COMPUTE = ChunkKind.PARAM, TensorState.COMPUTE
+
 
 @dataclass(kw_only=True, eq=False)
 class ParamRecord:
@@ -73,7 +76,7 @@ def move_slots(records: Sequence[ParamRecord], new: TensorState) -> None:
 def release_slots(records: Sequence[ParamRecord], new: TensorState, frozen: TensorState | None = None) -> None:
     """Move the records' slots that are in ``COMPUTE`` to ``new`` (frozen parameters' to ``frozen``, when
     given), through the transition guard; the others stay as they are."""
-    compute = TensorState.COMPUTE
+    compute = _COMPUTE
     for record in records:
         slot = record.slot
         if slot.state is compute:
@@ -96,7 +99,7 @@ class ChunkFamily:
 
     @property
     def param_chunk(self) -> Chunk:
-        return self.chunks[ChunkKind.PARAM]
+        return self.chunks[_PARAM]
 
     def has_grads(self) -> bool:
         return any(r.grad_in_param_slot or r.grad_in_grad_chunk for r in self.records)

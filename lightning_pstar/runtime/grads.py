@@ -62,9 +62,7 @@ class GradStore:
         if self.mixed and self.micro_batch is _FINAL:  # chunk reuse, the common case: inlined
             chunks = record.family.chunks
             chunk, slot = chunks[_PARAM], record.slot
-            if chunk.pending:
-                chunk.wait()
-            target = chunk.buffer_view(slot)  # what slot_view gives, after the wait
+            target = chunk.slot_view(slot)
             if not self.simulated and chunk.tier is not _DEVICE:
                 self.residency.stats.d2h_bytes += grad.numel() * grad.element_size()
             target.copy_(grad)

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _ADAM_STATE_BYTES = 8  # what setup assumes before the optimizer is known: the most a supported one needs
 # module-level: an Enum member read through its class costs a lookup, and these are read per module
 _COMPUTE, _FORWARD, _BACKWARD = TensorState.COMPUTE, MomentKind.FORWARD, MomentKind.BACKWARD
+_HOLD, _HOLD_AFTER_FWD = TensorState.HOLD, TensorState.HOLD_AFTER_FWD
 _PHASE_TRAINING, _PHASE_BACKWARD = Phase.TRAINING, Phase.BACKWARD
 
 
@@ -311,7 +312,9 @@ class ChunkManager:
         if before is not None and before != [r.param._version for r in records]:
             written = [r for r, v in zip(records, before, strict=True) if r.param._version != v]
             self._weights_written_in_forward(written)
-        self.release(records, TensorState.HOLD_AFTER_FWD if backward_follows else TensorState.HOLD)
+        release_slots(records, _HOLD_AFTER_FWD if backward_follows else _HOLD)  # what release() does
+        if self.sharding.distributed:  # one rank releases nothing
+            self.sharding.release_passed()
 
     def _weights_written_in_forward(self, records: Sequence[ParamRecord]) -> None:
         """A module wrote its weights in place during forward (``nn.Embedding(max_norm=...)`` renormalises
@@ -352,7 +355,8 @@ class ChunkManager:
         ``moment`` names the point of the iteration (for the warm-up trace and the plan that follows it);
         ``module`` the index of the module whose forward needs them (ZeRO: its place in the sweep).
         """
-        families, fids = self._families_of(records)
+        cached = self._families_cache.get(id(records))  # the hooks' lists: looked up here, one call less
+        families, fids = cached[1:] if cached is not None and cached[0] is records else self._families_of(records)
         residency = self.residency
         if residency.step_open:
             residency.close_step()  # a module runs: any optimizer step is over
@@ -366,9 +370,9 @@ class ChunkManager:
         # without a device budget no room is ever made: a resident chunk needs neither the tide nor a fetch
         bounded = residency.device_budget is not None
         protect = set(fids)
-        tracer = self.tracer
+        cursor = -1  # the trace moment this access is, when the iteration follows the trace
         if moment is not None and training:
-            tracer.moment(moment[0], moment[1], fids)
+            cursor = self.tracer.moment(moment[0], moment[1], fids)
             if bounded:
                 residency.ensure_device_room(0, protect=protect)  # the tide: the room may have shrunk now
         if self.sharding.distributed:
@@ -379,8 +383,8 @@ class ChunkManager:
                     residency.fetch(family, protect=protect)
         move_slots(records, new_state)
         if training:
-            if moment is not None and tracer.warmed_up and tracer.matches and tracer.cursor >= 0:
-                self.moment_chunk_bytes[tracer.cursor] = residency.device_used()
+            if cursor >= 0:
+                self.moment_chunk_bytes[cursor] = residency.device_used()
             residency.prefetch()
 
     def _gather_and_fetch(
@@ -417,7 +421,7 @@ class ChunkManager:
     def post_backward(self, records: Sequence[ParamRecord]) -> None:
         """A module's backward is done: frozen slots go to ``HOLD``, trainable ones still waiting for their
         final gradient (tied weights, parameters used again earlier in forward) to ``HOLD_AFTER_FWD``."""
-        release_slots(records, TensorState.HOLD_AFTER_FWD, frozen=TensorState.HOLD)
+        release_slots(records, _HOLD_AFTER_FWD, frozen=_HOLD)
         if self.sharding.distributed:  # one rank releases nothing
             self.sharding.release_passed()
 

@@ -228,19 +228,20 @@ class MemoryTracer:
             self._open_chunk_bytes = self._chunk_bytes()
         self._peak = self._live
 
-    def moment(self, kind: MomentKind, key: int, families: Sequence[int]) -> None:
-        """Called before every moment. Records during warm-up; afterwards advances along the trace."""
+    def moment(self, kind: MomentKind, key: int, families: Sequence[int]) -> int:
+        """Called before every moment. Records during warm-up; afterwards advances along the trace. Returns the
+        trace moment the iteration is at now when it follows the trace after the warm-up, else -1."""
         if self.recording:
             self._close_pending()
             self._pending = (kind, key, tuple(families))
-            return
+            return -1
         if not self.warmed_up or not self.matches:
-            return
+            return -1
         nxt = self.cursor + 1
         keys = self.trace.keys
         if nxt < len(keys) and keys[nxt] == (kind, key):  # the iteration follows the trace (a step: the next one)
             self.cursor = nxt
-            return
+            return nxt
         if kind is _STEP:
             # the trace's next step: with several optimizers an iteration has several steps (a GAN's generator
             # and discriminator cycles); accumulated micro-batches each restart at the trace's first moment,
@@ -249,7 +250,7 @@ class MemoryTracer:
             after = self.cursor + 1
             steps = (i for i in range(max(after, 0), len(moments)) if moments[i].kind is MomentKind.STEP)
             self.cursor = next(steps, len(moments) - 1)
-            return
+            return self.cursor
         self.matches = False
         log.warning(
             "PatrickStar: the iteration no longer follows the warm-up trace (moment %d: %s of module %d);"
@@ -258,6 +259,7 @@ class MemoryTracer:
             kind.value,
             key,
         )
+        return -1
 
     def _close_pending(self) -> None:
         if self._pending is None:
