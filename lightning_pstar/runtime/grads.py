@@ -129,7 +129,7 @@ class GradStore:
         the coming ones. A gradient in the param slot moves into the fp32 GRAD chunk and the slot gets its
         weight back from the master, so the next forward computes with the weight."""
         for record in records:
-            if record.slot.state is not TensorState.HOLD_AFTER_BWD:
+            if record.slot.state is not _HOLD_AFTER_BWD:
                 continue
             if record.grad_in_param_slot:
                 family = record.family

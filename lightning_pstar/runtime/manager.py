@@ -443,11 +443,13 @@ class ChunkManager:
         """
         if self.phase is Phase.BACKWARD:
             self.phase = Phase.TRAINING
-        with torch.no_grad():
-            self.sharding.flush()  # reduce groups whose parameters did not all receive a gradient
+        if self.sharding.distributed:  # one rank has nothing to reduce
+            with torch.no_grad():
+                self.sharding.flush()  # reduce groups whose parameters did not all receive a gradient
+        unsettled = (_COMPUTE, _HOLD_AFTER_FWD)
         for record in self.records:
-            if record.slot.state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD):
-                record.set_state(TensorState.HOLD)
+            if record.slot.state in unsettled:
+                record.set_state(_HOLD)
 
     def end_training(self) -> None:
         """Training micro-batches are over for now (evaluation, or the end of fit): nothing is traced."""
