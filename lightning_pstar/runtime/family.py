@@ -19,7 +19,7 @@ from lightning_pstar.planning.requirements import module_parameters
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
 from lightning_pstar.runtime.state import SOURCES_OF, GradLocation, TensorState
 
-__all__ = ["ChunkFamily", "ParamRecord", "ParamTable", "move_slots", "release_slots"]
+__all__ = ["ChunkFamily", "ParamRecord", "ParamTable", "families_of", "move_slots", "release_slots"]
 
 # module-level: an Enum member read through its class costs a lookup, and these are read per module
 _PARAM, _COMPUTE = ChunkKind.PARAM, TensorState.COMPUTE
@@ -71,6 +71,12 @@ def move_slots(records: Sequence[ParamRecord], new: TensorState) -> None:
         if slot.state not in sources:
             record.set_state(new)  # raises
         slot.state = new
+
+
+def families_of(records: Sequence[ParamRecord]) -> tuple[list[ChunkFamily], tuple[int, ...]]:
+    """The chunk families of ``records`` in first-use order, and their ids."""
+    families = {r.family.family_id: r.family for r in records}
+    return list(families.values()), tuple(families)
 
 
 def release_slots(records: Sequence[ParamRecord], new: TensorState, frozen: TensorState | None = None) -> None:
@@ -150,6 +156,10 @@ class ParamTable:
             used = [self.by_id[id(p)] for p in params if id(p) in self.by_id]
             if used:
                 self.module_records[mod] = used
+        # per module record list (by identity; fixed from here on): its families in first-use order and their ids
+        self.families_of_list: dict[int, tuple[list[ParamRecord], list[ChunkFamily], tuple[int, ...]]] = {
+            id(used): (used, *families_of(used)) for used in self.module_records.values()
+        }
 
     def direct_records(self, mod: nn.Module) -> list[ParamRecord]:
         """The records of ``mod``'s own parameters (not of children it uses)."""

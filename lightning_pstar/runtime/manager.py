@@ -34,7 +34,7 @@ from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.budgets import check_setup_budgets, device_budget_of, host_budget_of, plan_layout
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
-from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable, move_slots, release_slots
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable, families_of, move_slots, release_slots
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
 from lightning_pstar.runtime.placement import PlacementPolicy, make_policy
@@ -91,7 +91,6 @@ class ChunkManager:
         self._stepped = False  # an optimizer stepped since training started (the warm-up can end)
         self._module_names: list[str] = []  # by module index, for moment labels (built on first report)
         self._forward_versions: dict[int, list[int]] = {}  # module index -> its weights' versions at pre-forward
-        self._families_cache: dict[int, tuple[Sequence[ParamRecord], list[ChunkFamily], tuple[int, ...]]] = {}
         self._materialised = False
         # bumped whenever weights change (optimizer step, load): a weight autograd saved by reference
         # (hooks.py, saved tensors) must read the same version in backward
@@ -355,8 +354,8 @@ class ChunkManager:
         ``moment`` names the point of the iteration (for the warm-up trace and the plan that follows it);
         ``module`` the index of the module whose forward needs them (ZeRO: its place in the sweep).
         """
-        cached = self._families_cache.get(id(records))  # the hooks' lists: looked up here, one call less
-        families, fids = cached[1:] if cached is not None and cached[0] is records else self._families_of(records)
+        cached = self.table.families_of_list.get(id(records))  # computed once for the lists the hooks pass
+        families, fids = cached[1:] if cached is not None and cached[0] is records else families_of(records)
         residency = self.residency
         if residency.step_open:
             residency.close_step()  # a module runs: any optimizer step is over
@@ -396,20 +395,6 @@ class ChunkManager:
         for family in families:
             if sharding.owns(family):
                 self.residency.fetch(family, protect=protect)
-
-    def _families_of(self, records: Sequence[ParamRecord]) -> tuple[list[ChunkFamily], tuple[int, ...]]:
-        """The chunk families of ``records`` in first-use order, and their ids; computed once for the record
-        lists of ``module_records`` (fixed after setup, and what the hooks pass), afresh for any other list."""
-        cache = self._families_cache
-        if not cache:
-            for module_list in self.table.module_records.values():
-                families = {r.family.family_id: r.family for r in module_list}
-                cache[id(module_list)] = (module_list, list(families.values()), tuple(families))
-        cached = cache.get(id(records))
-        if cached is not None and cached[0] is records:
-            return cached[1], cached[2]
-        families = {r.family.family_id: r.family for r in records}
-        return list(families.values()), tuple(families)
 
     def release(self, records: Sequence[ParamRecord], new_state: TensorState) -> None:
         """Move slots out of ``COMPUTE``; their chunks become evictable (remote ones: released) once no
