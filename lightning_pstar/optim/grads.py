@@ -1,7 +1,7 @@
 """The gradients an optimizer step reads: fp32 and unscaled, from wherever the engine left them.
 
-:func:`grad_location_of` is the one place in optim that decodes where a record's gradient lives; everything
-else here and in the optimizer asks it.
+:func:`grad_location_of` says where a record's gradient lives as a :class:`GradLocation`; the loops over records
+here read the record's two bools it is made of (``grad_in_param_slot``, ``grad_in_grad_chunk``).
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ def family_grads(
     for record in family.records:
         if record.index not in in_optimizer:
             continue
-        location = grad_location_of(record)
         grad: torch.Tensor | None = None
-        if GradLocation.PARAM_SLOT in location:
+        if record.grad_in_param_slot:
             grad = family.param_chunk.slot_view(record.slot).float()
-        if GradLocation.GRAD_CHUNK in location:
+        if record.grad_in_grad_chunk:
             assert grad_chunk is not None
             acc = grad_chunk.slot_view(record.slot)
             if grad is not None:
@@ -64,9 +63,9 @@ def whole_family_grad_range(
     """The fp32, unscaled gradients of the slot range ``plan`` covers, when every record holds exactly this
     micro-batch's gradient (mixed precision: in the param slot, nothing accumulated; 32-true: in the GRAD
     chunk); None otherwise. One conversion for the whole range; padding is only read into the temporary."""
-    for record in family.records:
-        location = grad_location_of(record)
-        if (location != GradLocation.PARAM_SLOT) if mixed else (GradLocation.GRAD_CHUNK not in location):
+    for record in family.records:  # the record's two bools (its GradLocation costs a Flag per record)
+        in_slot, in_grad_chunk = record.grad_in_param_slot, record.grad_in_grad_chunk
+        if (not in_slot or in_grad_chunk) if mixed else not in_grad_chunk:
             return None
     if mixed:
         grad_range = family.param_chunk.data[plan.start : plan.end].float()

@@ -146,7 +146,7 @@ class ChunkedOptimizer(Optimizer):
         return loss
 
     def _families_with_grads(self) -> list[ChunkFamily]:
-        return [f for f in self._families if any(r.grad for r in f.records if r.index in self._book.group_of)]
+        return [f for f in self._families if any(r.has_grad for r in f.records if r.index in self._book.group_of)]
 
     def _host_grads(self) -> dict[int, torch.Tensor]:
         return host_grads(self._host_params(), self._manager.comm, self.gradient_policy.inv_scale)

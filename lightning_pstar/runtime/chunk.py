@@ -22,6 +22,18 @@ allocates a byte on the device, not even for an instant (``torch.empty(capacity,
 ``resize_(0)`` would take the block from the caching allocator and keep it reserved), and a chunk that
 starts on DEVICE pins nothing on the host.
 
+[Note: cached views]
+A view of a slot (``chunk.buffer[a:b].view(shape)``) costs two tensor constructions, and the engine takes
+one per parameter several times per step (storing a gradient, pointing a parameter at its weight, the
+optimizer's kernels). So a chunk takes each slot's view of each tier's buffer once and hands out the same
+view afterwards (:meth:`Chunk.slot_view`, :meth:`Chunk.buffer_view`). A view stays valid for the buffer's
+whole life because the buffer keeps its storage object (storage identity, above): a view taken before an
+eviction reads the refilled bytes after the fetch back, and the one ``set_`` a buffer ever gets (its shape,
+the first time it is backed: ``_backed``, ``HostArena.back``) keeps that storage too and comes before any
+view. A cached view is handed out again only if it was taken from the very buffer tensor the chunk holds
+now, so a buffer replaced by a new tensor gets fresh views. The views are shared: callers read and write
+their elements, never their metadata (no ``resize_``, ``set_``, ``requires_grad_`` on them).
+
 [Note: clean evictions]
 A fetch may keep the HOST bytes it copied from (``move_to(DEVICE, keep_host_copy=True)``): while nothing writes
 the chunk, that host copy is current, and evicting the chunk again only frees its device storage, with no copy
@@ -64,9 +76,11 @@ from enum import Enum
 import torch
 
 from lightning_pstar.runtime.pinned import host_arena
-from lightning_pstar.runtime.state import ALLOWED_TRANSITIONS, ChunkState, TensorState, Tier, check_transition
+from lightning_pstar.runtime.state import SOURCES_OF, ChunkState, TensorState, Tier, check_transition
 
 __all__ = ["Chunk", "ChunkKind", "Slot", "TransferStats"]
+
+_DEVICE = Tier.DEVICE  # module-level: an Enum member read through its class costs a lookup on the hot path
 
 
 class ChunkKind(str, Enum):
@@ -98,7 +112,7 @@ class Slot:
 
     def set_state(self, new: TensorState, *, chunk_id: int) -> None:
         """Move to ``new`` through the transition guard."""
-        if (self.state, new) not in ALLOWED_TRANSITIONS:  # the message is built only for an error
+        if self.state not in SOURCES_OF[new]:  # the message is built only for an error
             check_transition(self.state, new, what=f"parameter '{self.name}' (chunk {chunk_id})")
         self.state = new
 
@@ -117,6 +131,7 @@ class TransferStats:
     dirty_moves: int = 0  # moves off the device that copied the bytes back to the host
     moved_bytes: int = 0  # bytes copied by chunk moves, both directions (what placement decides)
     host_copy_bytes: int = 0  # host copies of device-resident chunks kept for clean evictions
+    param_chunks_on_host: int = 0  # param chunks whose bytes are on the host now (what a prefetch could bring)
     per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0})
     peak_device_bytes: int = 0
 
@@ -175,6 +190,9 @@ class Chunk:
         self._host_copy = False
         self._host_copy_version = -1
         self._host_read: torch.cuda.Event | None = None
+        # [Note: cached views]: per tier, id(slot) -> (slot, the buffer it was taken from, the view)
+        self._device_views: dict[int, tuple[Slot, torch.Tensor, torch.Tensor]] = {}
+        self._host_views: dict[int, tuple[Slot, torch.Tensor, torch.Tensor]] = {}
 
     # ---- properties -------------------------------------------------------------------------------------
     @property
@@ -231,9 +249,38 @@ class Chunk:
             return self._host_buffer
         raise RuntimeError(f"chunk {self.chunk_id} ({self.kind.value}) is released and has no data")
 
+    @property
+    def pending(self) -> bool:
+        """Whether an asynchronous copy is in flight (:meth:`wait` orders a reader after it)."""
+        return self._pending is not None
+
+    @property
+    def ready(self) -> bool:
+        """On the device with no copy in flight: a module may compute with it as it is."""
+        return self._tier is _DEVICE and self._pending is None
+
     def slot_view(self, slot: Slot) -> torch.Tensor:
-        """A view of ``slot`` in the buffer of the current tier, shaped like the parameter."""
-        return self.data[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        """A view of ``slot`` in the buffer of the current tier, shaped like the parameter (waits for an
+        asynchronous copy in flight). Shared: see [Note: cached views]."""
+        if self._pending is not None:
+            self.wait()
+        if self._tier is _DEVICE:  # the hot case, looked up here: one call less per gradient stored
+            hit = self._device_views.get(id(slot))
+            if hit is not None and hit[0] is slot and hit[1] is self._device_buffer:
+                return hit[2]
+        return self.buffer_view(slot)
+
+    def buffer_view(self, slot: Slot) -> torch.Tensor:
+        """:meth:`slot_view` without waiting: for pointing a parameter at its slot ([Note: cached views])."""
+        tier = self._tier
+        buf = self._device_buffer if tier is _DEVICE else self.buffer  # the latter raises when released
+        views = self._device_views if tier is _DEVICE else self._host_views
+        hit = views.get(id(slot))
+        if hit is not None and hit[0] is slot and hit[1] is buf:
+            return hit[2]
+        view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        views[id(slot)] = (slot, buf, view)
+        return view
 
     # ---- transitions ------------------------------------------------------------------------------------
     def allocate(self, tier: Tier, *, zero: bool = True) -> None:
@@ -242,7 +289,7 @@ class Chunk:
         storage = self._storage_for(tier, allocate=True)
         if zero:
             storage.zero_()
-        self._tier = tier
+        self._set_tier(tier)
         self._stats.allocated(tier, self.nbytes)
 
     def move_to(self, tier: Tier, *, stream: torch.cuda.Stream | None = None, keep_host_copy: bool = False) -> None:
@@ -290,7 +337,7 @@ class Chunk:
             self._stats.d2h_bytes += self.nbytes
             self._stats.moves_off_device += 1
             self._stats.dirty_moves += 1
-        self._tier = tier
+        self._set_tier(tier)
 
     def _evict_clean(self) -> None:
         """Leave the device without a copy: the held host copy is current ([Note: clean evictions])."""
@@ -307,7 +354,7 @@ class Chunk:
         self._stats.moves_off_device += 1
         self._stats.clean_moves += 1
         self._stats.clean_bytes += self.nbytes
-        self._tier = Tier.HOST
+        self._set_tier(Tier.HOST)
 
     def drop_host_copy(self) -> None:
         """Free the host copy of a device-resident chunk (stale, or its bytes are needed): a no-op without one."""
@@ -361,7 +408,12 @@ class Chunk:
         self.drop_host_copy()
         host_arena().free(self.data)
         self._stats.freed(self._tier, self.nbytes)
-        self._tier = None
+        self._set_tier(None)
+
+    def _set_tier(self, tier: Tier | None) -> None:
+        if self.kind is ChunkKind.PARAM:  # counted for the residency's prefetch (nothing to bring without one)
+            self._stats.param_chunks_on_host += (tier is Tier.HOST) - (self._tier is Tier.HOST)
+        self._tier = tier
 
     def _storage_for(self, tier: Tier, *, allocate: bool) -> torch.Tensor:
         if tier is Tier.DEVICE:

@@ -17,9 +17,12 @@ from torch import nn
 from lightning_pstar.planning.layout import Layout
 from lightning_pstar.planning.requirements import module_parameters
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
-from lightning_pstar.runtime.state import GradLocation, TensorState
+from lightning_pstar.runtime.state import SOURCES_OF, GradLocation, TensorState
 
-__all__ = ["ChunkFamily", "ParamRecord", "ParamTable"]
+__all__ = ["ChunkFamily", "ParamRecord", "ParamTable", "families_of", "move_slots", "release_slots"]
+
+# module-level: an Enum member read through its class costs a lookup, and these are read per module
+_PARAM, _COMPUTE = ChunkKind.PARAM, TensorState.COMPUTE
 
 
 @dataclass(kw_only=True, eq=False)
@@ -33,23 +36,60 @@ class ParamRecord:
     orig_dtype: torch.dtype
     family: ChunkFamily
     slot: Slot
-    grad: GradLocation = GradLocation.NONE  # where this step's gradient lives
+    # where this step's gradient lives (:attr:`grad` as a GradLocation): plain bools, read per parameter on the
+    # hot path (a Flag's ``in`` and ``|`` cost a Python call each)
+    grad_in_param_slot: bool = False
+    """Mixed precision chunk reuse: the param slot holds the gradient, not the weight."""
+    grad_in_grad_chunk: bool = False
+    """The fp32 GRAD chunk holds the gradient (32-true) or the sum of earlier micro-batches."""
+
+    @property
+    def grad(self) -> GradLocation:
+        """Where this step's gradient lives (both flags: their sum)."""
+        location = GradLocation.PARAM_SLOT if self.grad_in_param_slot else GradLocation.NONE
+        return location | GradLocation.GRAD_CHUNK if self.grad_in_grad_chunk else location
+
+    @grad.setter
+    def grad(self, location: GradLocation) -> None:
+        self.grad_in_param_slot = GradLocation.PARAM_SLOT in location
+        self.grad_in_grad_chunk = GradLocation.GRAD_CHUNK in location
 
     @property
     def has_grad(self) -> bool:
-        return bool(self.grad)
-
-    @property
-    def grad_in_param_slot(self) -> bool:
-        """Mixed precision chunk reuse: the param slot holds the gradient, not the weight."""
-        return GradLocation.PARAM_SLOT in self.grad
-
-    @property
-    def grad_in_grad_chunk(self) -> bool:
-        return GradLocation.GRAD_CHUNK in self.grad
+        return self.grad_in_param_slot or self.grad_in_grad_chunk
 
     def set_state(self, new: TensorState) -> None:
         self.slot.set_state(new, chunk_id=self.family.family_id)
+
+
+def move_slots(records: Sequence[ParamRecord], new: TensorState) -> None:
+    """Move every record's slot to ``new``, in order, through the transition guard (one loop per module: the
+    guard, and its message, run only for a pair the table does not allow, which raises)."""
+    sources = SOURCES_OF[new]
+    for record in records:
+        slot = record.slot
+        if slot.state not in sources:
+            record.set_state(new)  # raises
+        slot.state = new
+
+
+def families_of(records: Sequence[ParamRecord]) -> tuple[list[ChunkFamily], tuple[int, ...]]:
+    """The chunk families of ``records`` in first-use order, and their ids."""
+    families = {r.family.family_id: r.family for r in records}
+    return list(families.values()), tuple(families)
+
+
+def release_slots(records: Sequence[ParamRecord], new: TensorState, frozen: TensorState | None = None) -> None:
+    """Move the records' slots that are in ``COMPUTE`` to ``new`` (frozen parameters' to ``frozen``, when
+    given), through the transition guard; the others stay as they are."""
+    compute = _COMPUTE
+    for record in records:
+        slot = record.slot
+        if slot.state is compute:
+            target = new if frozen is None or record.trainable else frozen
+            if compute not in SOURCES_OF[target]:
+                record.set_state(target)  # raises
+            slot.state = target
 
 
 @dataclass(kw_only=True, eq=False)
@@ -65,10 +105,10 @@ class ChunkFamily:
 
     @property
     def param_chunk(self) -> Chunk:
-        return self.chunks[ChunkKind.PARAM]
+        return self.chunks[_PARAM]
 
     def has_grads(self) -> bool:
-        return any(r.grad for r in self.records)
+        return any(r.grad_in_param_slot or r.grad_in_grad_chunk for r in self.records)
 
     @torch.no_grad()
     def copy_slot_writes_to_master(self, record: ParamRecord) -> None:
@@ -116,6 +156,10 @@ class ParamTable:
             used = [self.by_id[id(p)] for p in params if id(p) in self.by_id]
             if used:
                 self.module_records[mod] = used
+        # per module record list (by identity; fixed from here on): its families in first-use order and their ids
+        self.families_of_list: dict[int, tuple[list[ParamRecord], list[ChunkFamily], tuple[int, ...]]] = {
+            id(used): (used, *families_of(used)) for used in self.module_records.values()
+        }
 
     def direct_records(self, mod: nn.Module) -> list[ParamRecord]:
         """The records of ``mod``'s own parameters (not of children it uses)."""

@@ -21,9 +21,14 @@ import torch
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.residency import Residency
-from lightning_pstar.runtime.state import GradLocation, MicroBatch, TensorState, Tier
+from lightning_pstar.runtime.state import SOURCES_OF, GradLocation, MicroBatch, TensorState, Tier
 
 __all__ = ["GradStore"]
+
+# module-level: an Enum member read through its class costs a lookup, and these are read per parameter
+_DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
+_FINAL, _HOLD_AFTER_BWD = MicroBatch.FINAL, TensorState.HOLD_AFTER_BWD
+_TO_HOLD_AFTER_BWD = SOURCES_OF[TensorState.HOLD_AFTER_BWD]
 
 
 class GradStore:
@@ -45,22 +50,44 @@ class GradStore:
         view = grad.view(record.slot.shape)
         if self.mixed and not self.accumulating and ChunkKind.GRAD not in family.chunks:
             self._copy_in(family.param_chunk, record.slot, view, add=False)  # chunk reuse: 14 bytes/param
-            self.set_location(record, record.grad | GradLocation.PARAM_SLOT)
+            self.grad_to_param_slot(record)
         else:
             self._copy_in(self.grad_chunk(family), record.slot, view, add=record.grad_in_grad_chunk)
-            record.grad |= GradLocation.GRAD_CHUNK
+            record.grad_in_grad_chunk = True
         if not self.accumulating:
             record.set_state(TensorState.HOLD_AFTER_BWD)
 
     def store_local(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """One rank: store the final gradient and mark the slot (``HOLD`` while it sums micro-batches)."""
-        if self.mixed and not self.accumulating:
-            self._copy_in(record.family.param_chunk, record.slot, grad, add=False)
-            self.set_location(record, record.grad | GradLocation.PARAM_SLOT)
-        else:
-            self._copy_in(self.grad_chunk(record.family), record.slot, grad, add=record.grad_in_grad_chunk)
-            record.grad |= GradLocation.GRAD_CHUNK
-        record.set_state(TensorState.HOLD if self.accumulating else TensorState.HOLD_AFTER_BWD)
+        if self.mixed and self.micro_batch is _FINAL:  # chunk reuse, the common case: inlined
+            chunks = record.family.chunks
+            chunk, slot = chunks[_PARAM], record.slot
+            target = chunk.slot_view(slot)
+            if not self.simulated and chunk.tier is not _DEVICE:
+                self.residency.stats.d2h_bytes += grad.numel() * grad.element_size()
+            target.copy_(grad)
+            if not record.grad_in_param_slot:  # the parameter reads its fp32 master meanwhile
+                record.grad_in_param_slot = True
+                record.param.data = chunks.get(_MASTER, chunk).buffer_view(slot)  # as Residency.point_at_chunk
+            if slot.state not in _TO_HOLD_AFTER_BWD:
+                record.set_state(_HOLD_AFTER_BWD)  # raises
+            slot.state = _HOLD_AFTER_BWD
+            return
+        self._copy_in(self.grad_chunk(record.family), record.slot, grad, add=record.grad_in_grad_chunk)
+        record.grad_in_grad_chunk = True
+        record.set_state(TensorState.HOLD if self.accumulating else _HOLD_AFTER_BWD)
+
+    def grad_to_param_slot(self, record: ParamRecord) -> None:
+        """The param slot now holds (a part of) the gradient: the parameter reads its fp32 master meanwhile."""
+        if not record.grad_in_param_slot:
+            record.grad_in_param_slot = True
+            self.residency.point_at_chunk(record)
+
+    def weight_to_param_slot(self, record: ParamRecord) -> None:
+        """The param slot holds the weight again (written by the optimizer or a load): the parameter points at it."""
+        if record.grad_in_param_slot:
+            record.grad_in_param_slot = False
+            self.residency.point_at_chunk(record)
 
     def set_location(self, record: ParamRecord, location: GradLocation) -> None:
         """Say where ``record``'s gradient lives; the parameter follows its weight (the fp32 master while its
@@ -89,7 +116,7 @@ class GradStore:
 
     def _copy_in(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, *, add: bool) -> None:
         target = chunk.slot_view(slot)
-        if chunk.tier is Tier.HOST and not self.simulated:
+        if chunk.tier is not _DEVICE and not self.simulated:
             self.residency.stats.d2h_bytes += grad.numel() * grad.element_size()
         if add:
             target.add_(grad.to(target.device))
@@ -102,7 +129,7 @@ class GradStore:
         the coming ones. A gradient in the param slot moves into the fp32 GRAD chunk and the slot gets its
         weight back from the master, so the next forward computes with the weight."""
         for record in records:
-            if record.slot.state is not TensorState.HOLD_AFTER_BWD:
+            if record.slot.state is not _HOLD_AFTER_BWD:
                 continue
             if record.grad_in_param_slot:
                 family = record.family
@@ -128,6 +155,7 @@ class GradStore:
                     family.param_chunk.slot_view(record.slot).copy_(
                         family.chunks[ChunkKind.MASTER].slot_view(record.slot)
                     )
-                self.set_location(record, GradLocation.NONE)
-                if record.slot.state is TensorState.HOLD_AFTER_BWD:
+                    self.weight_to_param_slot(record)
+                record.grad_in_grad_chunk = False
+                if record.slot.state is _HOLD_AFTER_BWD:
                     record.set_state(TensorState.HOLD)

@@ -91,6 +91,10 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     Iterative on purpose: a recursive closure that refers to itself is a reference cycle, and it would keep
     the module's inputs and outputs (activations) alive until Python's garbage collector happens to run.
     """
+    if type(obj) is tuple and all(type(x) is torch.Tensor for x in obj):  # the common case: tensors only
+        return [x for x in obj if x.requires_grad]
+    if type(obj) is torch.Tensor:
+        return [obj] if obj.requires_grad else []
     found: list[torch.Tensor] = []
     stack: list[Any] = [obj]
     while stack:

@@ -34,14 +34,14 @@ from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.budgets import check_setup_budgets, device_budget_of, host_budget_of, plan_layout
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
-from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable, families_of, move_slots, release_slots
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
 from lightning_pstar.runtime.placement import PlacementPolicy, make_policy
 from lightning_pstar.runtime.reporting import build_report, module_names
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding, make_sharding
-from lightning_pstar.runtime.state import GradLocation, MicroBatch, Phase, TensorState, Tier
+from lightning_pstar.runtime.state import MicroBatch, Phase, TensorState, Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
 from lightning_pstar.runtime.warmup import check_before_warmup_step, end_warmup
 
@@ -50,6 +50,10 @@ __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "
 log = logging.getLogger(__name__)
 
 _ADAM_STATE_BYTES = 8  # what setup assumes before the optimizer is known: the most a supported one needs
+# module-level: an Enum member read through its class costs a lookup, and these are read per module
+_COMPUTE, _FORWARD, _BACKWARD = TensorState.COMPUTE, MomentKind.FORWARD, MomentKind.BACKWARD
+_HOLD, _HOLD_AFTER_FWD = TensorState.HOLD, TensorState.HOLD_AFTER_FWD
+_PHASE_TRAINING, _PHASE_BACKWARD = Phase.TRAINING, Phase.BACKWARD
 
 
 class ChunkManager:
@@ -87,7 +91,6 @@ class ChunkManager:
         self._stepped = False  # an optimizer stepped since training started (the warm-up can end)
         self._module_names: list[str] = []  # by module index, for moment labels (built on first report)
         self._forward_versions: dict[int, list[int]] = {}  # module index -> its weights' versions at pre-forward
-        self._families_cache: dict[int, tuple[Sequence[ParamRecord], dict[int, ChunkFamily]]] = {}
         self._materialised = False
         # bumped whenever weights change (optimizer step, load): a weight autograd saved by reference
         # (hooks.py, saved tensors) must read the same version in backward
@@ -277,7 +280,7 @@ class ChunkManager:
 
     def slot_holds_weight(self, record: ParamRecord) -> None:
         """The param slot holds the weight again (the optimizer or a load wrote it): the parameter points at it."""
-        self.grads.set_location(record, record.grad & ~GradLocation.PARAM_SLOT)
+        self.grads.weight_to_param_slot(record)
 
     # ---- the iteration's verbs --------------------------------------------------------------------------
     def begin_training_batch(self) -> None:
@@ -297,19 +300,20 @@ class ChunkManager:
     def pre_forward(self, records: Sequence[ParamRecord], index: int) -> None:
         """Before module ``index``'s forward: its chunks resident, its slots ``COMPUTE``."""
         # a forward without autograd (an evaluation inside a training step) is not a moment of the iteration
-        moment = (MomentKind.FORWARD, index) if torch.is_grad_enabled() else None
-        self.access(records, TensorState.COMPUTE, moment, module=index)
+        moment = (_FORWARD, index) if torch.is_grad_enabled() else None
+        self.access(records, _COMPUTE, moment, module=index)
         if self.mixed:  # an in-place write to a weight during forward must reach its fp32 master
             self._forward_versions[index] = [r.param._version for r in records]
 
     def post_forward(self, records: Sequence[ParamRecord], index: int, *, backward_follows: bool) -> None:
         """After a module's forward: its chunks may move again (until its backward, if one follows)."""
         before = self._forward_versions.pop(index, None) if self.mixed else None
-        if before is not None:
+        if before is not None and before != [r.param._version for r in records]:
             written = [r for r, v in zip(records, before, strict=True) if r.param._version != v]
-            if written:
-                self._weights_written_in_forward(written)
-        self.release(records, TensorState.HOLD_AFTER_FWD if backward_follows else TensorState.HOLD)
+            self._weights_written_in_forward(written)
+        release_slots(records, _HOLD_AFTER_FWD if backward_follows else _HOLD)  # what release() does
+        if self.sharding.distributed:  # one rank releases nothing
+            self.sharding.release_passed()
 
     def _weights_written_in_forward(self, records: Sequence[ParamRecord]) -> None:
         """A module wrote its weights in place during forward (``nn.Embedding(max_norm=...)`` renormalises
@@ -335,7 +339,7 @@ class ChunkManager:
 
     def pre_backward(self, records: Sequence[ParamRecord], index: int) -> None:
         """Before module ``index``'s backward: its chunks resident again (same storage)."""
-        self.access(records, TensorState.COMPUTE, (MomentKind.BACKWARD, index))
+        self.access(records, _COMPUTE, (_BACKWARD, index))
 
     def access(
         self,
@@ -350,58 +354,61 @@ class ChunkManager:
         ``moment`` names the point of the iteration (for the warm-up trace and the plan that follows it);
         ``module`` the index of the module whose forward needs them (ZeRO: its place in the sweep).
         """
-        families = self._families_of(records)
-        self.residency.close_step()  # a module runs: any optimizer step is over
-        in_backward = self.phase is Phase.BACKWARD
-        if moment is not None and moment[0] is MomentKind.BACKWARD:
+        cached = self.table.families_of_list.get(id(records))  # computed once for the lists the hooks pass
+        families, fids = cached[1:] if cached is not None and cached[0] is records else families_of(records)
+        residency = self.residency
+        if residency.step_open:
+            residency.close_step()  # a module runs: any optimizer step is over
+        phase = self.phase
+        in_backward = phase is _PHASE_BACKWARD
+        if moment is not None and moment[0] is _BACKWARD:
             in_backward = True
-            if self.phase is Phase.TRAINING:
-                self.phase = Phase.BACKWARD
-        training = self.phase.training
-        protect = set(families)
+            if phase is _PHASE_TRAINING:
+                self.phase = phase = _PHASE_BACKWARD
+        training = phase is _PHASE_TRAINING or phase is _PHASE_BACKWARD
+        # without a device budget no room is ever made: a resident chunk needs neither the tide nor a fetch
+        bounded = residency.device_budget is not None
+        protect = set(fids)
+        cursor = -1  # the trace moment this access is, when the iteration follows the trace
         if moment is not None and training:
-            self.tracer.moment(moment[0], moment[1], tuple(families))
-            self.residency.ensure_device_room(0, protect=protect)  # the tide: the room may have shrunk now
+            cursor = self.tracer.moment(moment[0], moment[1], fids)
+            if bounded:
+                residency.ensure_device_room(0, protect=protect)  # the tide: the room may have shrunk now
+        if self.sharding.distributed:
+            self._gather_and_fetch(families, protect, in_backward=in_backward, module=module)
+        else:  # one rank owns every family
+            for family in families:
+                if bounded or not family.param_chunk.ready:
+                    residency.fetch(family, protect=protect)
+        move_slots(records, new_state)
+        if training:
+            if cursor >= 0:
+                self.moment_chunk_bytes[cursor] = residency.device_used()
+            residency.prefetch()
+
+    def _gather_and_fetch(
+        self, families: list[ChunkFamily], protect: set[int], *, in_backward: bool, module: int | None
+    ) -> None:
+        """Several ranks: gather the remote families, fetch the owned ones."""
         sharding = self.sharding
-        if sharding.distributed:
-            sharding.ensure_gathered(list(families.values()), protect, in_backward=in_backward, module=module)
-        for family in families.values():
+        sharding.ensure_gathered(list(families), protect, in_backward=in_backward, module=module)
+        for family in families:
             if sharding.owns(family):
                 self.residency.fetch(family, protect=protect)
-        for record in records:
-            record.set_state(new_state)
-        if training:
-            if moment is not None and self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
-                self.moment_chunk_bytes[self.tracer.cursor] = self.residency.device_used()
-            self.residency.prefetch()
-
-    def _families_of(self, records: Sequence[ParamRecord]) -> dict[int, ChunkFamily]:
-        """The chunk families of ``records`` by id, in first-use order; computed once for the record lists of
-        ``module_records`` (fixed after setup, and what the hooks pass), afresh for any other list."""
-        cache = self._families_cache
-        if not cache:
-            for module_list in self.table.module_records.values():
-                cache[id(module_list)] = (module_list, {r.family.family_id: r.family for r in module_list})
-        cached = cache.get(id(records))
-        if cached is not None and cached[0] is records:
-            return cached[1]
-        return {r.family.family_id: r.family for r in records}
 
     def release(self, records: Sequence[ParamRecord], new_state: TensorState) -> None:
         """Move slots out of ``COMPUTE``; their chunks become evictable (remote ones: released) once no
         slot computes."""
-        for record in records:
-            if record.slot.state is TensorState.COMPUTE:
-                record.set_state(new_state)
-        self.sharding.release_passed()
+        release_slots(records, new_state)
+        if self.sharding.distributed:  # one rank releases nothing
+            self.sharding.release_passed()
 
     def post_backward(self, records: Sequence[ParamRecord]) -> None:
         """A module's backward is done: frozen slots go to ``HOLD``, trainable ones still waiting for their
         final gradient (tied weights, parameters used again earlier in forward) to ``HOLD_AFTER_FWD``."""
-        for record in records:
-            if record.slot.state is TensorState.COMPUTE:
-                record.set_state(TensorState.HOLD_AFTER_FWD if record.trainable else TensorState.HOLD)
-        self.sharding.release_passed()
+        release_slots(records, _HOLD_AFTER_FWD, frozen=_HOLD)
+        if self.sharding.distributed:  # one rank releases nothing
+            self.sharding.release_passed()
 
     def grad_ready(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """Store the final gradient of ``record`` for this backward into the chunks."""
@@ -409,7 +416,10 @@ class ChunkManager:
             with torch.no_grad():
                 self.grad_ready(record, grad)
             return
-        self.sharding.grad_ready(record, grad)
+        if self.sharding.distributed:
+            self.sharding.grad_ready(record, grad)
+        else:  # what the one-rank sharding does, one call less per parameter
+            self.grads.store_local(record, grad)
 
     def finish_backward(self) -> None:
         """Slots still in use or waiting for a backward go back to ``HOLD`` (after backward, before a batch).
@@ -418,11 +428,13 @@ class ChunkManager:
         """
         if self.phase is Phase.BACKWARD:
             self.phase = Phase.TRAINING
-        with torch.no_grad():
-            self.sharding.flush()  # reduce groups whose parameters did not all receive a gradient
+        if self.sharding.distributed:  # one rank has nothing to reduce
+            with torch.no_grad():
+                self.sharding.flush()  # reduce groups whose parameters did not all receive a gradient
+        unsettled = (_COMPUTE, _HOLD_AFTER_FWD)
         for record in self.records:
-            if record.slot.state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD):
-                record.set_state(TensorState.HOLD)
+            if record.slot.state in unsettled:
+                record.set_state(_HOLD)
 
     def end_training(self) -> None:
         """Training micro-batches are over for now (evaluation, or the end of fit): nothing is traced."""

@@ -40,7 +40,8 @@ class PlacementPolicy(Protocol):
         ...
 
     def chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
-        """Bytes chunks may occupy on the device at the current moment (None: unlimited)."""
+        """Bytes chunks may occupy on the device at the current moment (None: unlimited, always so when
+        ``device_budget`` is None: the residency then skips the eviction bookkeeping)."""
         ...
 
     def next_chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:

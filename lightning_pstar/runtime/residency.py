@@ -24,6 +24,9 @@ from lightning_pstar.runtime.yardstick import Bounds
 
 __all__ = ["Residency"]
 
+# module-level: an Enum member read through its class costs a lookup, and these are read per parameter
+_DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
+
 log = logging.getLogger(__name__)
 
 
@@ -113,12 +116,11 @@ class Residency:
         param slot holds the gradient (mixed precision, between backward and the step) the parameter
         points at its fp32 master instead, so that reading it gives the weight, never the gradient.
         """
-        family = record.family
-        chunk = family.param_chunk
-        if record.grad_in_param_slot and ChunkKind.MASTER in family.chunks:
-            chunk = family.chunks[ChunkKind.MASTER]
-        slot = record.slot
-        record.param.data = chunk.buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        chunks = record.family.chunks
+        chunk = chunks[_PARAM]
+        if record.grad_in_param_slot:
+            chunk = chunks.get(_MASTER, chunk)
+        record.param.data = chunk.buffer_view(record.slot)  # taken once per buffer: [Note: cached views]
 
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
         """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.
@@ -269,6 +271,8 @@ class Residency:
     def fetch(self, family: ChunkFamily, *, protect: set[int]) -> None:
         """Make ``family``'s param chunk resident on DEVICE, evicting others if the budget requires."""
         chunk = family.param_chunk
+        if self.device_budget is None and chunk.ready:
+            return  # resident, and without a budget nothing is ever evicted: the policy's use record is unread
         self._tick += 1
         self.policy.touch(chunk, self._tick)
         if chunk.tier is Tier.DEVICE:
@@ -279,11 +283,13 @@ class Residency:
 
     def prefetch(self) -> None:
         """Fetch the next moment's chunks ahead of time when they fit without evicting anything."""
-        wanted = [
-            fid
-            for fid in self.policy.prefetch()
-            if self.owns(self.families[fid]) and self.families[fid].param_chunk.tier is not Tier.DEVICE
-        ]
+        if not self.stats.param_chunks_on_host:
+            return  # every param chunk is on the device or released: nothing to bring (the common case)
+        fids = self.policy.prefetch()
+        if not fids:
+            return
+        families = self.families
+        wanted = [fid for fid in fids if families[fid].param_chunk.tier is not _DEVICE and self.owns(families[fid])]
         if not wanted:
             return
         # the chunks fetched now must fit this moment's room and the next one's

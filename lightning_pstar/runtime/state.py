@@ -16,6 +16,7 @@ __all__ = [
     "InvalidTransitionError",
     "MicroBatch",
     "Phase",
+    "SOURCES_OF",
     "TensorState",
     "Tier",
     "check_transition",
@@ -119,6 +120,14 @@ ALLOWED_TRANSITIONS: frozenset[tuple[TensorState, TensorState]] = frozenset(
 )
 """Every allowed ``(from, to)`` pair. Note what is missing: ``HOLD_AFTER_BWD -> COMPUTE`` (a module would
 read a gradient as its weight) and anything leaving ``COMPUTE`` for ``FREE``."""
+
+
+SOURCES_OF: dict[TensorState, tuple[TensorState, ...]] = {
+    new: tuple(current for current in TensorState if (current, new) in ALLOWED_TRANSITIONS) for new in TensorState
+}
+"""For each target state, the states :data:`ALLOWED_TRANSITIONS` lets a slot leave for it (the same table, by
+target: the hot path tests a slot's state against a short tuple, by identity, and calls the guard only on a
+pair the table does not hold)."""
 
 
 class InvalidTransitionError(RuntimeError):

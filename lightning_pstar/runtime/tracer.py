@@ -39,6 +39,9 @@ class MomentKind(str, Enum):
     STEP = "step"
 
 
+_STEP = MomentKind.STEP  # module-level: an Enum member read through its class costs a lookup per moment
+
+
 @dataclass(frozen=True)
 class Moment:
     """One recorded moment: what ran, which chunk families it accessed, the non-model peak until the next."""
@@ -55,9 +58,11 @@ class Trace:
 
     moments: list[Moment] = field(default_factory=list)
     _uses: dict[int, list[int]] = field(default_factory=dict)  # family -> sorted moment indices
+    keys: list[tuple[MomentKind, int]] = field(default_factory=list)  # (kind, key) per moment, once finished
 
     def finish(self) -> None:
         self._uses = {}
+        self.keys = [(m.kind, m.key) for m in self.moments]
         for index, moment in enumerate(self.moments):
             for fid in moment.families:
                 self._uses.setdefault(fid, []).append(index)
@@ -223,15 +228,21 @@ class MemoryTracer:
             self._open_chunk_bytes = self._chunk_bytes()
         self._peak = self._live
 
-    def moment(self, kind: MomentKind, key: int, families: Sequence[int]) -> None:
-        """Called before every moment. Records during warm-up; afterwards advances along the trace."""
+    def moment(self, kind: MomentKind, key: int, families: Sequence[int]) -> int:
+        """Called before every moment. Records during warm-up; afterwards advances along the trace. Returns the
+        trace moment the iteration is at now when it follows the trace after the warm-up, else -1."""
         if self.recording:
             self._close_pending()
             self._pending = (kind, key, tuple(families))
-            return
+            return -1
         if not self.warmed_up or not self.matches:
-            return
-        if kind is MomentKind.STEP:
+            return -1
+        nxt = self.cursor + 1
+        keys = self.trace.keys
+        if nxt < len(keys) and keys[nxt] == (kind, key):  # the iteration follows the trace (a step: the next one)
+            self.cursor = nxt
+            return nxt
+        if kind is _STEP:
             # the trace's next step: with several optimizers an iteration has several steps (a GAN's generator
             # and discriminator cycles); accumulated micro-batches each restart at the trace's first moment,
             # so their step is the trace's last
@@ -239,12 +250,7 @@ class MemoryTracer:
             after = self.cursor + 1
             steps = (i for i in range(max(after, 0), len(moments)) if moments[i].kind is MomentKind.STEP)
             self.cursor = next(steps, len(moments) - 1)
-            return
-        nxt = self.cursor + 1
-        moments = self.trace.moments
-        if nxt < len(moments) and moments[nxt].kind is kind and moments[nxt].key == key:
-            self.cursor = nxt
-            return
+            return self.cursor
         self.matches = False
         log.warning(
             "PatrickStar: the iteration no longer follows the warm-up trace (moment %d: %s of module %d);"
@@ -253,6 +259,7 @@ class MemoryTracer:
             kind.value,
             key,
         )
+        return -1
 
     def _close_pending(self) -> None:
         if self._pending is None:
