@@ -8,6 +8,7 @@ attribute stuck on the parameter) and by module.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -19,7 +20,17 @@ from lightning_pstar.planning.requirements import module_parameters
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
 from lightning_pstar.runtime.state import SOURCES_OF, GradLocation, TensorState
 
-__all__ = ["ChunkFamily", "ParamRecord", "ParamTable", "families_of", "move_slots", "release_slots"]
+__all__ = [
+    "ChunkFamily",
+    "ParamRecord",
+    "ParamTable",
+    "copy_forward_writes_to_masters",
+    "families_of",
+    "move_slots",
+    "release_slots",
+]
+
+log = logging.getLogger(__name__)
 
 # module-level: an Enum member read through its class costs a lookup, and these are read per module
 _PARAM, _COMPUTE = ChunkKind.PARAM, TensorState.COMPUTE
@@ -186,3 +197,21 @@ class ParamTable:
     def iter_chunks(self) -> Iterator[Chunk]:
         for family in self.families:
             yield from family.chunks.values()
+
+
+def copy_forward_writes_to_masters(records: Sequence[ParamRecord], *, distributed: bool) -> None:
+    """A module wrote its weights in place during forward (``nn.Embedding(max_norm=...)`` renormalises the rows it
+    looks up): copy what changed into the fp32 master, which is the weight the optimizer steps and checkpoints save
+    (the compute-dtype slot only holds a rounded copy). With several ranks (``distributed``) it is refused."""
+    names = ", ".join(f"'{r.names[0]}'" for r in records)
+    if distributed:
+        raise RuntimeError(
+            f"Parameter(s) {names} were written in place during forward (for example by"
+            " `nn.Embedding(max_norm=...)`). With several ranks every rank would write different values into"
+            " its copy (plain DDP's replicas diverge the same way), and a chunk another rank owns cannot keep"
+            " them. HINT: renormalise explicitly outside forward (e.g. in `on_before_optimizer_step`), or"
+            " train on one rank."
+        )
+    for record in records:
+        record.family.copy_slot_writes_to_master(record)
+    log.debug("PatrickStar: %s written in place during forward; fp32 masters updated", names)

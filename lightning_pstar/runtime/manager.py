@@ -34,7 +34,15 @@ from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.budgets import check_setup_budgets, device_budget_of, host_budget_of, plan_layout
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
-from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable, families_of, move_slots, release_slots
+from lightning_pstar.runtime.family import (
+    ChunkFamily,
+    ParamRecord,
+    ParamTable,
+    copy_forward_writes_to_masters,
+    families_of,
+    move_slots,
+    release_slots,
+)
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
 from lightning_pstar.runtime.placement import PlacementPolicy, make_policy
@@ -265,10 +273,6 @@ class ChunkManager:
     def stats(self):  # type: ignore[no-untyped-def]  # TransferStats
         return self.residency.stats
 
-    @property
-    def optimizer_tier(self) -> Tier:
-        return self.residency.optimizer_tier
-
     # ---- gradients --------------------------------------------------------------------------------------
     @property
     def micro_batch(self) -> MicroBatch:
@@ -310,27 +314,10 @@ class ChunkManager:
         before = self._forward_versions.pop(index, None) if self.mixed else None
         if before is not None and before != [r.param._version for r in records]:
             written = [r for r, v in zip(records, before, strict=True) if r.param._version != v]
-            self._weights_written_in_forward(written)
+            copy_forward_writes_to_masters(written, distributed=self.sharding.distributed)
         release_slots(records, _HOLD_AFTER_FWD if backward_follows else _HOLD)  # what release() does
         if self.sharding.distributed:  # one rank releases nothing
             self.sharding.release_passed()
-
-    def _weights_written_in_forward(self, records: Sequence[ParamRecord]) -> None:
-        """A module wrote its weights in place during forward (``nn.Embedding(max_norm=...)`` renormalises
-        the rows it looks up): copy what changed into the fp32 master, which is the weight the optimizer steps
-        and checkpoints save (the compute-dtype slot only holds a rounded copy)."""
-        names = ", ".join(f"'{r.names[0]}'" for r in records)
-        if self.sharding.distributed:
-            raise RuntimeError(
-                f"Parameter(s) {names} were written in place during forward (for example by"
-                " `nn.Embedding(max_norm=...)`). With several ranks every rank would write different values into"
-                " its copy (plain DDP's replicas diverge the same way), and a chunk another rank owns cannot keep"
-                " them. HINT: renormalise explicitly outside forward (e.g. in `on_before_optimizer_step`), or"
-                " train on one rank."
-            )
-        for record in records:
-            record.family.copy_slot_writes_to_master(record)
-        log.debug("PatrickStar: %s written in place during forward; fp32 masters updated", names)
 
     def begin_backward(self) -> None:
         """Every rank starts the backward of a training pass (the strategy's ``pre_backward``)."""

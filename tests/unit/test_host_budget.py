@@ -58,7 +58,7 @@ def test_static_placement_keeps_the_optimizer_side_on_the_device_when_all_fits()
     """The same host budget is enough under 'static' when all model data fits the device: the engine's check
     follows the policy's own choice of tier, not a fixed rule."""
     manager = _manager(_mlp(), host=1, placement="static")
-    assert manager.optimizer_tier.value == "device"
+    assert manager.residency.optimizer_tier.value == "device"
 
 
 def test_a_model_that_fits_neither_tier_names_both() -> None:

@@ -199,7 +199,7 @@ def test_steps_match_torch_with_the_optimizer_offloaded(name: str, dtype: torch.
     from lightning_pstar.runtime.state import Tier
 
     pair = _Pair(OPTIMIZERS[name], dtype=dtype, device_memory_limit=CAP * dtype.itemsize)
-    assert pair.manager.optimizer_tier is Tier.HOST
+    assert pair.manager.residency.optimizer_tier is Tier.HOST
     for _ in range(3):
         pair.step(pair.random_grads())
         pair.assert_equal()
