@@ -8,9 +8,8 @@ During training the hooks (:mod:`~lightning_pstar.runtime.hooks`) and the strate
 verbs, in this order per micro-batch: :meth:`begin_training_batch`, per module :meth:`pre_forward` /
 :meth:`post_forward`, :meth:`begin_backward`, per module :meth:`pre_backward` / :meth:`post_backward`, per
 parameter :meth:`grad_ready`, :meth:`finish_backward`; then the optimizer's :meth:`step_moment` and
-:meth:`end_warmup_if_recording`. One object per concern does the work: :class:`ParamTable` (what is where),
-:class:`Residency` (tiers, budgets), :class:`GradStore`, the sharding (a null object on one rank), the tracer
-and the placement policy.
+:meth:`end_warmup_if_recording`. One object per concern does the work: :class:`ParamTable`, :class:`Residency`,
+:class:`GradStore`, the sharding (a null object on one rank), the tracer and the placement policy.
 """
 
 from __future__ import annotations
@@ -272,6 +271,10 @@ class ChunkManager:
     @property
     def stats(self):  # type: ignore[no-untyped-def]  # TransferStats
         return self.residency.stats
+
+    @property
+    def optimizer_tier(self) -> Tier:
+        return self.residency.optimizer_tier
 
     # ---- gradients --------------------------------------------------------------------------------------
     @property

@@ -45,7 +45,7 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
     needs = tracer.trace.device_need(chunk_bytes)
     budget = residency.device_budget
     if sharding.distributed:
-        _plan_gathers(tracer, needs, budget, sharding)
+        _plan_gathers(tracer, needs, budget, residency, sharding)
     if budget is None:
         return
     if residency.policy.name == "auto":
@@ -59,10 +59,14 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
     log.info("PatrickStar: the yardstick (bytes per iteration): %s", residency.bounds)
 
 
-def _plan_gathers(tracer: MemoryTracer, needs: Sequence[int], budget: int | None, sharding: Sharding) -> None:
+def _plan_gathers(
+    tracer: MemoryTracer, needs: Sequence[int], budget: int | None, residency: Residency, sharding: Sharding
+) -> None:
     """Several ranks: whether the next group is gathered ahead of use (two more groups at the warm-up's peak), and
-    how many of the forward's last groups stay gathered into the backward (each one more group at the peak,
-    beside the prefetch's); every rank's figures, agreed in one collective (``GroupCoordinator.plan``)."""
+    how many of the forward's last groups stay gathered into the backward; every rank's figures, agreed in one
+    collective (``GroupCoordinator.plan``). Kept groups must not cost evictions: their remote chunks fit beside
+    every chunk this rank owns, the device-side optimizer chunks, the prefetch's two groups and the warm-up's
+    peak of non-model memory (so a budget that evicts without keeping keeps nothing)."""
     groups = sharding.num_groups()
     fits, keep = True, groups
     if budget is not None:
@@ -70,7 +74,17 @@ def _plan_gathers(tracer: MemoryTracer, needs: Sequence[int], budget: int | None
         peak = max((n for n, m in zip(needs, moments, strict=True) if m.kind is not MomentKind.STEP), default=0)
         group = max(sharding.group_bytes(), 1)
         fits = peak + 2 * group <= budget
-        keep = max(0, (budget - peak - (2 * group if fits else 0)) // group)
+        non_model = max((m.non_model_bytes for m in moments if m.kind is not MomentKind.STEP), default=0)
+        families = residency.families
+        own = sum(f.param_chunk.nbytes for f in families if ChunkKind.PARAM in f.chunks and residency.owns(f))
+        side = sum(
+            c.nbytes
+            for f in families
+            for k, c in f.chunks.items()
+            if k is not ChunkKind.PARAM and c.tier is Tier.DEVICE
+        )
+        room = budget - non_model - own - side - (2 * group if fits else 0)
+        keep = max(0, room // group)
     enabled = sharding.plan(fits, keep)
     log.info(
         "PatrickStar: chunk groups are %sgathered ahead of use; %d of %d stay gathered from forward into backward",

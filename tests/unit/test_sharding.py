@@ -376,19 +376,31 @@ def test_moe_under_different_device_budgets_issues_one_sequence() -> None:
 
 
 def test_groups_kept_for_the_backward_are_what_fits_the_tightest_budget() -> None:
-    # rank 0's budget holds five more groups at the warm-up's peak, rank 1's every group: both keep rank 0's figure,
-    # the forward's last five groups, and their backward gathers only the other three (the sweep's last group is
-    # present at the backward's start anyway); nothing is evicted to make room for what is kept
+    # rank 0's budget holds a few more groups beside everything it owns and the warm-up's peak, rank 1's every
+    # group: both keep rank 0's figure, the forward's last groups, and their backward gathers only the others (the
+    # sweep's last group is present at the backward's start anyway); nothing is evicted to make room for them
     b0, b1 = tokens(RANK0_EXPERTS, seed=1), tokens(RANK1_EXPERTS, seed=2)
-    run = simulate(moe(), [steps(b0, b0, b0), steps(b1, b1, b1)], device_limits=(24 * 1024, 64 * 1024))
+    run = simulate(moe(), [steps(b0, b0, b0), steps(b1, b1, b1)], device_limits=(20 * 1024, 64 * 1024))
     calls = assert_same_sequence(run)
     r0, r1 = run.ranks
-    groups = r0.sharding.num_groups()
-    assert r0.sharding.keep == r1.sharding.keep == frozenset(r0.sharding.forward_order[-5:])
+    groups, kept = r0.sharding.num_groups(), len(r0.sharding.keep)
+    assert 1 < kept < groups, "the budget should keep some groups, not all"
+    assert r0.sharding.keep == r1.sharding.keep == frozenset(r0.sharding.forward_order[-kept:])
     per_step = [count(step, "all_gather") for step in passes(calls)]
-    assert per_step == [2 * groups - 1] + [2 * groups - 1 - 4] * 2
+    assert per_step == [2 * groups - 1] + [2 * groups - 1 - (kept - 1)] * 2
     assert r0.manager.stats.evictions == r1.manager.stats.evictions == 0
-    assert r0.manager.memory_report().groups_kept == 5
+    assert r0.manager.memory_report().groups_kept == kept
+
+
+def test_a_budget_that_evicts_keeps_no_group() -> None:
+    # rank 0's budget holds what a module needs but not everything it owns: keeping remote chunks would only add
+    # evictions of its own, so no rank keeps any group
+    b0, b1 = tokens(RANK0_EXPERTS, seed=1), tokens(RANK1_EXPERTS, seed=2)
+    run = simulate(moe(), [steps(b0, b0), steps(b1, b1)], device_limits=(22 * 1024, 64 * 1024))
+    assert_same_sequence(run)
+    r0, r1 = run.ranks
+    assert r0.manager.stats.evictions > 0
+    assert r0.sharding.keep == r1.sharding.keep == frozenset()
 
 
 def test_kept_groups_leave_the_backward_order_as_it_was() -> None:
