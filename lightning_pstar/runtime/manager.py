@@ -202,7 +202,9 @@ class ChunkManager:
     def materialise(self) -> None:
         """Allocate chunks, move or initialise every parameter into its slot and re-point the model."""
         assert not self._materialised, "materialise() runs once"
+        # every rank must build the same model and lay it out the same way (the chunks' capacities and members)
         detail = repr([(names[0], tuple(p.shape), p.requires_grad) for p, names in self._named])
+        detail += repr([(c.capacity, c.trainable, c.members, c.offsets) for c in self.layout.chunks])
         summary = (len(self._named), self.layout.payload_elements, self.layout.chunk_size, len(self.families))
         self._materialiser().run(self.host_params, summary, detail)
         self._materialised = True
@@ -438,7 +440,7 @@ class ChunkManager:
     def begin_eval_pass(self) -> None:
         """Every rank starts an evaluation step (validation, test, predict)."""
         self.phase = Phase.EVAL
-        self.sharding.begin_pass()
+        self.sharding.begin_pass(training=False)
 
     def end_eval_pass(self) -> None:
         """Every rank ended an evaluation step: the remote chunks it gathered go."""

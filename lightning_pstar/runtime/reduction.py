@@ -72,6 +72,7 @@ class GroupReducer:
         self.local_slots: dict[int, set[int]] = {}  # family -> records with a local gradient in the buffer
         self.waiting: dict[int, int] = {}  # group -> trainable slots still without a local gradient
         self.reduced: set[int] = set()  # groups whose (first) round started in this backward
+        self.received: set[int] = set()  # records with a local gradient in this backward (sent or not)
         self.rounds: list[_Round] = []  # in flight, oldest first
         self.partial: dict[int, torch.Tensor] = {}  # group -> first round's output, waiting for its second
         self.late: set[int] = set()  # groups reduced while some rank was incomplete: a second round follows
@@ -99,6 +100,9 @@ class GroupReducer:
             if count:
                 self.waiting[group] = count
         self.reduced = set()
+        self.received = set()
+        self.local_grads.clear()  # nothing of an earlier backward is left (finish() sent it all)
+        self.local_slots.clear()
 
     def due_step(self, group: int) -> int:
         if self.due is not None:
@@ -116,14 +120,23 @@ class GroupReducer:
         slot = record.slot
         view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
         slots = self.local_slots.setdefault(family.family_id, set())
-        if record.index in slots:  # pragma: no cover - autograd reports a leaf's gradient once per backward
+        if record.index in slots:  # a second gradient in this backward (a module recomputed inside it), not sent yet
             view.add_(grad)
-        else:
-            view.copy_(grad)
-            slots.add(record.index)
-            self.waiting[group] -= 1
-            if self.waiting[group] == 0:
-                self.complete_at[group] = max(self.complete_at.get(group, -1), cursor)
+            return
+        if record.index in self.received:
+            # the first one was reduced already, and the peers cannot know that a second round is needed
+            raise RuntimeError(
+                f"parameter '{record.names[0]}' received a second gradient in one backward after its chunk group"
+                " was reduced (a module run twice inside the backward, e.g. reentrant activation checkpointing of"
+                " a module used twice). With several ranks that gradient would be lost. HINT: use"
+                " torch.utils.checkpoint with use_reentrant=False, or train on one rank."
+            )
+        view.copy_(grad)
+        slots.add(record.index)
+        self.received.add(record.index)
+        self.waiting[group] -= 1
+        if self.waiting[group] == 0:
+            self.complete_at[group] = max(self.complete_at.get(group, -1), cursor)
         record.slot.set_state(TensorState.HOLD, chunk_id=family.family_id)  # the weight is still in the slot
 
     def step(self, index: int) -> None:
@@ -210,6 +223,7 @@ class GroupReducer:
         self.local_slots.clear()
         self.waiting.clear()
         self.reduced.clear()
+        self.received.clear()
 
     # ---- the plan after the warm-up -----------------------------------------------------------------------
     def schedule_wanted(self) -> list[int]:

@@ -114,6 +114,7 @@ class GroupCoordinator:
         self.cursor = -1  # index in ``order`` of the last group the sweep reached
         self.forward_gathers: list[int] = []  # groups gathered by this pass's forward, in order
         self.keep: frozenset[int] = frozenset()  # groups a forward keeps gathered for its backward (plan)
+        self.keeping: frozenset[int] = frozenset()  # ... in the current pass (none in an evaluation pass)
         self.parked: set[int] = set()  # kept groups the forward would have released: present, "released" for the order
         self.reducer = GroupReducer(self.members, self.num_groups(), comm, grads, self.device)
         self._poison: dict[torch.Size, torch.Tensor] = {}  # NaN views by shape, in the compute dtype
@@ -154,9 +155,11 @@ class GroupCoordinator:
         self.cursor = -1
         self.sweep = Sweep.BACKWARD if backward else Sweep.FORWARD
 
-    def begin_pass(self) -> None:
-        """Every rank starts a forward pass (a training micro-batch, an evaluation step)."""
+    def begin_pass(self, *, training: bool = True) -> None:
+        """Every rank starts a forward pass: a training micro-batch, or (``training=False``) an evaluation step,
+        which keeps no group gathered (its activations are not the warm-up's, so the plan's room is not its)."""
         self.flush()
+        self.keeping = self.keep if training else frozenset()
         self.forward_gathers = []
         self._start_sweep(self.forward_order, backward=False)
         self._prefetch_next(set())  # the first group, while the step's loose ends finish
@@ -201,7 +204,7 @@ class GroupCoordinator:
         module's place in the module tree, so that what happens next (a gather of a group the sweep passed)
         starts at the same point of the sequence on every rank, whichever modules a rank skipped before."""
         if self.sweep is Sweep.IDLE:
-            self.begin_pass()  # a forward outside the steps Lightning runs (a callback calling the model)
+            self.begin_pass(training=False)  # a forward outside the steps Lightning runs (a callback calling it)
         if in_backward and self.sweep is not Sweep.BACKWARD:
             self.begin_backward()  # a backward not started through the strategy (loss.backward() by hand)
         groups = sorted({self.group_of(f) for f in families}, key=self.position.__getitem__)
@@ -299,7 +302,7 @@ class GroupCoordinator:
         # in backward a group also stays while a slot in it waits for its final gradient (a tied weight used
         # again further down), as the original releases a remote chunk
         pending = TensorState.HOLD_AFTER_FWD if self.sweep is Sweep.BACKWARD else TensorState.COMPUTE
-        kept = self.keep if self.sweep is Sweep.FORWARD else frozenset()
+        kept = self.keeping if self.sweep is Sweep.FORWARD else frozenset()
         for group in sorted(self.gathered):
             if group in keep or group in self.parked or self.position.get(group, -1) >= self.cursor:
                 continue

@@ -64,9 +64,10 @@ def _plan_gathers(
 ) -> None:
     """Several ranks: whether the next group is gathered ahead of use (two more groups at the warm-up's peak), and
     how many of the forward's last groups stay gathered into the backward; every rank's figures, agreed in one
-    collective (``GroupCoordinator.plan``). Kept groups must not cost evictions: their remote chunks fit beside
-    every chunk this rank owns, the device-side optimizer chunks, the prefetch's two groups and the warm-up's
-    peak of non-model memory (so a budget that evicts without keeping keeps nothing)."""
+    collective (``GroupCoordinator.plan``). Kept groups must not cost evictions: they fit, within the room the
+    placement policy gives chunks (static: its share of the budget), beside every chunk this rank owns, the
+    device-side optimizer chunks, the group being gathered (and the next one when prefetching) and the warm-up's
+    peak of non-model memory, so a budget that evicts without keeping keeps nothing."""
     groups = sharding.num_groups()
     fits, keep = True, groups
     if budget is not None:
@@ -83,7 +84,10 @@ def _plan_gathers(
             for k, c in f.chunks.items()
             if k is not ChunkKind.PARAM and c.tier is Tier.DEVICE
         )
-        room = budget - non_model - own - side - (2 * group if fits else 0)
+        chunk_room = residency.chunk_room()  # what the policy lets chunks hold (static: its fraction of the budget)
+        limit = budget - non_model if chunk_room is None else min(budget - non_model, chunk_room)
+        # beside the kept groups: the group being gathered, and the next one when prefetching
+        room = limit - own - side - (2 if fits else 1) * group
         keep = max(0, room // group)
     enabled = sharding.plan(fits, keep)
     log.info(

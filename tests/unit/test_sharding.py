@@ -74,10 +74,16 @@ def make_rank(
     chunk_size: int = CHUNK,
     world_size: int = WORLD,
     device_limit: int | None = None,
+    static_chunk_fraction: float = 1.0,
 ) -> Rank:
     model = build()
     comm = RecordingComm(rank=rank, world_size=world_size, agreement=agreement)
-    config = PStarConfig.from_flat(chunk_size=chunk_size, placement="static", device_memory_limit=device_limit)
+    config = PStarConfig.from_flat(
+        chunk_size=chunk_size,
+        placement="static",
+        device_memory_limit=device_limit,
+        static_chunk_fraction=static_chunk_fraction,
+    )
     manager = ChunkManager(
         model,
         config=config,
@@ -164,6 +170,7 @@ def simulate(
     *,
     chunk_size: int = CHUNK,
     device_limits: Sequence[int | None] = (None,) * WORLD,
+    static_chunk_fraction: float = 1.0,
 ) -> Run:
     """Run ``scripts[rank]`` on a fresh rank ``rank`` of a two-rank run, rank after rank, until the answers of
     the MIN agreement are a fixed point (:class:`tests.helpers.fake_comm.Agreement`)."""
@@ -172,7 +179,14 @@ def simulate(
     for rounds in range(1, MAX_ROUNDS + 1):
         agreement.start()
         ranks = [
-            make_rank(build, rank, agreement=agreement, chunk_size=chunk_size, device_limit=device_limits[rank])
+            make_rank(
+                build,
+                rank,
+                agreement=agreement,
+                chunk_size=chunk_size,
+                device_limit=device_limits[rank],
+                static_chunk_fraction=static_chunk_fraction,
+            )
             for rank in range(WORLD)
         ]
         for r, script in zip(ranks, scripts, strict=True):
@@ -401,6 +415,97 @@ def test_a_budget_that_evicts_keeps_no_group() -> None:
     r0, r1 = run.ranks
     assert r0.manager.stats.evictions > 0
     assert r0.sharding.keep == r1.sharding.keep == frozenset()
+
+
+def test_kept_groups_stay_within_the_static_policys_share_of_the_budget() -> None:
+    # static placement gives chunks 10% of the 64 KiB budget: keeping groups there would leave no evictable chunk
+    # (it raised "cannot make room"); the plan keeps none, and training runs as without keeping
+    b0, b1 = tokens(RANK0_EXPERTS, seed=1), tokens(RANK1_EXPERTS, seed=2)
+    run = simulate(
+        moe(), [steps(b0, b0), steps(b1, b1)], device_limits=(64 * 1024, 64 * 1024), static_chunk_fraction=0.10
+    )
+    assert_same_sequence(run)
+    assert all(r.sharding.keep == frozenset() for r in run.ranks)
+
+
+def test_an_evaluation_pass_keeps_no_group_gathered() -> None:
+    # after the warm-up a training forward keeps every group (no budget); an evaluation pass's activations are not
+    # the warm-up's, so it releases each group once the sweep has passed it, as before keeping
+    most: list[int] = []
+
+    def script(r: Rank) -> None:
+        train_step(r, tokens(ALL_EXPERTS, seed=9))
+        train_step(r, tokens(ALL_EXPERTS, seed=9))
+        finish = r.sharding._finish_gather
+
+        def counted(group: int, work: object) -> None:
+            finish(group, work)
+            most.append(len(r.sharding.gathered))
+
+        r.sharding._finish_gather = counted  # type: ignore[method-assign]
+        eval_pass(r, tokens(ALL_EXPERTS, seed=3))
+
+    run = simulate(moe(), [script, script])
+    assert_same_sequence(run)
+    r0 = run.ranks[0]
+    assert r0.sharding.keep == frozenset(range(r0.sharding.num_groups()))
+    assert most and max(most) <= 3 < r0.sharding.num_groups()  # the current group, the prefetched one, one leaving
+
+
+class _Recompute(nn.Module):
+    """A block called twice under reentrant activation checkpointing: its backward recomputes it inside the
+    backward, and autograd reports its parameters' gradients twice in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.pre = nn.Linear(16, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.mid = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = torch.utils.checkpoint.checkpoint(self.block, self.pre(self.emb(idx)), use_reentrant=True)
+        x = torch.utils.checkpoint.checkpoint(self.block, self.mid(x), use_reentrant=True)
+        return self.head(x)
+
+
+def test_a_second_gradient_after_its_groups_reduction_raises() -> None:
+    # the block's first gradients complete its group, which is reduced before the recompute's second ones arrive:
+    # the peers cannot know a second round is needed, so the gradient would be lost; it raises, naming the pattern
+    idx = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="second gradient in one backward.*use_reentrant=False"):
+        simulate(_Recompute, [steps(idx)] * WORLD, chunk_size=272)
+
+
+def test_ranks_whose_layouts_differ_are_refused_at_setup() -> None:
+    # the same names, shapes, chunk size and family count, but one chunk's capacity differs: the collectives would
+    # pair buffers of different sizes, so setup refuses it on every rank
+    digests: list[object] = []
+
+    class Peer(RecordingComm):
+        def all_gather_object(self, obj: object) -> list[object]:
+            digests.append(obj)
+            return [obj, digests[0]]
+
+    for bump in (0, 64):
+        model = moe()()
+        comm = Peer(rank=1, world_size=WORLD)
+        manager = ChunkManager(
+            model,
+            config=PStarConfig.from_flat(chunk_size=CHUNK, placement="static"),
+            compute_dtype=torch.float32,
+            device=CPU,
+            world_size=WORLD,
+            comm=cast(ChunkComm, comm),
+        )
+        manager.layout.chunks[-1].capacity += bump
+        if bump:
+            with pytest.raises(ValueError, match="The model differs between ranks"):
+                manager.materialise()
+        else:
+            manager.materialise()
 
 
 def test_kept_groups_leave_the_backward_order_as_it_was() -> None:
