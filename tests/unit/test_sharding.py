@@ -456,9 +456,10 @@ class _Recompute(nn.Module):
     """A block called twice under reentrant activation checkpointing: its backward recomputes it inside the
     backward, and autograd reports its parameters' gradients twice in one backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, reentrant: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.reentrant = reentrant
         self.emb = nn.Embedding(VOCAB, 16)
         self.pre = nn.Linear(16, 16)
         self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
@@ -466,8 +467,8 @@ class _Recompute(nn.Module):
         self.head = nn.Linear(16, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = torch.utils.checkpoint.checkpoint(self.block, self.pre(self.emb(idx)), use_reentrant=True)
-        x = torch.utils.checkpoint.checkpoint(self.block, self.mid(x), use_reentrant=True)
+        x = torch.utils.checkpoint.checkpoint(self.block, self.pre(self.emb(idx)), use_reentrant=self.reentrant)
+        x = torch.utils.checkpoint.checkpoint(self.block, self.mid(x), use_reentrant=self.reentrant)
         return self.head(x)
 
 
@@ -477,6 +478,22 @@ def test_a_second_gradient_after_its_groups_reduction_raises() -> None:
     idx = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="second gradient in one backward.*use_reentrant=False"):
         simulate(_Recompute, [steps(idx)] * WORLD, chunk_size=272)
+
+
+def test_non_reentrant_checkpointing_of_a_module_used_twice_reports_each_gradient_once() -> None:
+    # the recompute happens inside the one backward graph: each parameter's gradient comes once, summed over both
+    # uses, so every group is reduced once (no error, no second gradient) and the ranks issue one sequence
+    idx = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    received: list[int] = []
+
+    def script(r: Rank) -> None:
+        forward_backward(r, idx)
+        received.append(len(r.sharding.reducer.received))
+
+    run = simulate(lambda: _Recompute(reentrant=False), [script] * WORLD, chunk_size=272)
+    assert_same_sequence(run)
+    trainable = sum(1 for rec in run.ranks[0].manager.records if rec.trainable)
+    assert received[-WORLD:] == [trainable] * WORLD  # every parameter's gradient, once, on every rank
 
 
 def test_ranks_whose_layouts_differ_are_refused_at_setup() -> None:
