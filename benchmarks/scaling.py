@@ -12,6 +12,8 @@ own). Reported per run, over the measured steps (the first ``--warmup`` steps dr
 - ``engine_us_per_module``: PatrickStar's CPU time (``time.thread_time``, so waiting on a peer does not count)
   inside the manager's per-module and per-parameter verbs (pre/post forward, pre/post backward, gradient
   ready, backward start and end), per step and per module that has chunk parameters;
+- ``engine_us_per_call`` / ``engine_calls_per_step``: the same CPU time verb by verb (rank 0), printed under the
+  table (the meter's own two ``thread_time`` calls per verb are inside these figures);
 - ``collectives_per_step``: collectives PatrickStar's :class:`ChunkComm` starts per step (all-gathers,
   reduce-scatters, all-reduces, broadcasts), next to ``groups`` (chunk groups of the layout);
 - ``bytes_per_param``: model data held per rank (PatrickStar: every chunk of its memory report; auto/ddp:
@@ -104,6 +106,8 @@ class EngineMeter:
     def __init__(self) -> None:
         self.active = False
         self.cpu_s = 0.0
+        self.by_verb: dict[str, float] = dict.fromkeys(ENGINE_VERBS, 0.0)  # CPU seconds per verb
+        self.calls: dict[str, int] = dict.fromkeys(ENGINE_VERBS, 0)
         self.collectives: dict[str, int] = dict.fromkeys(COMM_VERBS, 0)
         self._depth = 0
         self.modules = 0  # modules with chunk parameters
@@ -111,11 +115,11 @@ class EngineMeter:
     def install(self, manager: Any) -> None:
         self.modules = len(manager.table.module_records)
         for name in ENGINE_VERBS:
-            setattr(manager, name, self._timed(getattr(manager, name)))
+            setattr(manager, name, self._timed(name, getattr(manager, name)))
         for name in COMM_VERBS:
             setattr(manager.comm, name, self._counted(name, getattr(manager.comm, name)))
 
-    def _timed(self, fn: Any) -> Any:
+    def _timed(self, name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._depth or not self.active:
                 return fn(*args, **kwargs)
@@ -124,7 +128,10 @@ class EngineMeter:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.cpu_s += time.thread_time() - start
+                spent = time.thread_time() - start
+                self.cpu_s += spent
+                self.by_verb[name] += spent
+                self.calls[name] += 1
                 self._depth -= 1
 
         return timed
@@ -232,6 +239,9 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
             chunk_size=timer.report["chunk_size"],
             chunk_utilisation=timer.report["chunk_utilisation"],
             engine_us_per_module=meter.cpu_s / args.steps / modules * 1e6,
+            # per verb: CPU per call, and calls per step (grad_ready: one per parameter)
+            engine_us_per_call={k: v / meter.calls[k] * 1e6 for k, v in meter.by_verb.items() if meter.calls[k]},
+            engine_calls_per_step={k: v / args.steps for k, v in meter.calls.items() if v},
             collectives_per_step=sum(meter.collectives.values()) / args.steps,
             collectives_by_kind={k: v / args.steps for k, v in meter.collectives.items() if v},
         )
@@ -255,7 +265,8 @@ def summarise(name: str, world: int, n_layer: int, ranks: list[dict[str, Any]]) 
         "bytes_per_param": max(r["bytes_per_param"] for r in ranks),
     }
     if name == "patrickstar":
-        for key in ("modules", "groups", "chunk_size", "chunk_utilisation", "collectives_by_kind"):
+        keys = ("modules", "groups", "chunk_size", "chunk_utilisation", "collectives_by_kind")
+        for key in (*keys, "engine_us_per_call", "engine_calls_per_step"):
             row[key] = ranks[0][key]
         row["engine_us_per_module"] = max(r["engine_us_per_module"] for r in ranks)
         row["collectives_per_step"] = ranks[0]["collectives_per_step"]
@@ -282,6 +293,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['n_layer']:>6} {r['world_size']:>5} {r['strategy']:<12} {r['step_ms']:>6.1f} ms {ratio:>7}"
             f" {engine:>13} {colls:>10} {groups:>6} {util:>5} {r['bytes_per_param']:>8.2f}"
         )
+    for r in rows:  # where the engine's time goes, verb by verb (rank 0)
+        if "engine_us_per_call" in r:
+            verbs = ", ".join(
+                f"{k} {v:.1f} us x {r['engine_calls_per_step'][k]:.0f}" for k, v in r["engine_us_per_call"].items()
+            )
+            print(f"  {r['n_layer']} layers, {r['world_size']} rank(s), per call x calls/step: {verbs}")
 
 
 def main(argv: list[str] | None = None) -> int:

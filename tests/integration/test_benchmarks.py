@@ -126,6 +126,8 @@ def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
         assert row["engine_us_per_module"] > 0 and row["modules"] > 0 and row["groups"] > 0
         assert 0 < row["chunk_utilisation"] <= 1 and row["bytes_per_param"] > 0
         assert (row["collectives_per_step"] > 0) == (world == 2)
+        calls = row["engine_calls_per_step"]
+        assert calls["grad_ready"] > calls["pre_forward"] > 0 and set(calls) == set(row["engine_us_per_call"])
     assert rows[2]["bytes_per_param"] < rows[1]["bytes_per_param"]  # ZeRO: each rank keeps its own families
 
 
