@@ -57,8 +57,7 @@ __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "
 log = logging.getLogger(__name__)
 
 _ADAM_STATE_BYTES = 8  # what setup assumes before the optimizer is known: the most a supported one needs
-# module-level: an Enum member read through its class costs a lookup, and these are read per module
-_COMPUTE, _FORWARD, _BACKWARD = TensorState.COMPUTE, MomentKind.FORWARD, MomentKind.BACKWARD
+_COMPUTE, _FORWARD, _BACKWARD = TensorState.COMPUTE, MomentKind.FORWARD, MomentKind.BACKWARD  # per module: no lookup
 _HOLD, _HOLD_AFTER_FWD = TensorState.HOLD, TensorState.HOLD_AFTER_FWD
 _PHASE_TRAINING, _PHASE_BACKWARD = Phase.TRAINING, Phase.BACKWARD
 
@@ -202,9 +201,8 @@ class ChunkManager:
     def materialise(self) -> None:
         """Allocate chunks, move or initialise every parameter into its slot and re-point the model."""
         assert not self._materialised, "materialise() runs once"
-        # every rank must build the same model and lay it out the same way (the chunks' capacities and members)
         detail = repr([(names[0], tuple(p.shape), p.requires_grad) for p, names in self._named])
-        detail += repr([(c.capacity, c.trainable, c.members, c.offsets) for c in self.layout.chunks])
+        detail += repr([(c.capacity, c.trainable, c.members, c.offsets) for c in self.layout.chunks])  # ranks agree
         summary = (len(self._named), self.layout.payload_elements, self.layout.chunk_size, len(self.families))
         self._materialiser().run(self.host_params, summary, detail)
         self._materialised = True
