@@ -106,7 +106,7 @@ class GroupCoordinator:
         self.gathered: set[int] = set()  # groups whose remote param chunks are present locally
         self.inflight: dict[int, Any] = {}  # group -> work of an asynchronous gather (prefetch)
         self.pinned = residency.pinned  # families whose param chunk is the send buffer of an in-flight gather
-        self.prefetch_enabled = False  # agreed by every rank after the warm-up (plan_prefetch)
+        self.prefetch_enabled = False  # agreed by every rank after the warm-up (plan)
         # the sweep (see the note above)
         self.sweep = Sweep.IDLE
         self.order: list[int] = []
