@@ -53,6 +53,8 @@ class ParamRecord:
     """Mixed precision chunk reuse: the param slot holds the gradient, not the weight."""
     grad_in_grad_chunk: bool = False
     """The fp32 GRAD chunk holds the gradient (32-true) or the sum of earlier micro-batches."""
+    waiting: bool = False
+    """Its final gradient waits for the rest of its family's ([Note: gradients land per family] in ``grads.py``)."""
 
     @property
     def grad(self) -> GradLocation:

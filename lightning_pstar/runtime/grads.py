@@ -10,6 +10,23 @@ A parameter's final gradient of a backward lands in one of two places (:class:`G
 Both can hold a part at once (accumulated micro-batches in GRAD, the last one in the param slot): the
 optimizer adds them. With several ranks the gradient first goes to the sharding layer, which reduces it
 across ranks and stores the owner's share through :meth:`GradStore.store`.
+
+[Note: gradients land per family]
+On one rank a final gradient (the last micro-batch before a step) is not copied into its chunk when autograd
+hands it over: the gradient hook keeps it (autograd's own tensor, ``param.grad`` cleared) and the family's
+gradients land together, in one ``torch._foreach_copy_`` (or ``_foreach_add_``, summing an earlier backward's
+gradient in the GRAD chunk) and one loop over its records, once every trainable parameter of the family has
+its gradient. Per parameter the hook then does a list append instead of a copy, a view lookup and a
+``param.data`` swap, each of which costs microseconds when it runs between the backward's kernels (the
+interpreter's and the dispatcher's caches are cold there). What waits is bounded: a family's gradients until
+its last one, and everything once more than one chunk's worth of elements waits (a family whose parameters do
+not all receive a gradient). Nothing outlives the backward: the first gradient that waits queues a callback on
+autograd's running backward (``queue_callback``, as DDP's reducer finishes its buckets), which lands the rest
+when that backward returns, however it was called (``loss.backward()``, ``manual_backward``, a reentrant
+checkpoint's inner backward). Every reader of gradients (the step, ``zero_grad``, the next micro-batch, the end
+of a backward that raised) lands what still waits first (:meth:`GradStore.settle`). The state check runs when
+the gradient arrives, before anything is kept, so a gradient the table refuses raises as before; a waiting
+parameter keeps its weight in the slot (and is read from it) until its gradient lands.
 """
 
 from __future__ import annotations
@@ -17,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.autograd import Variable
 
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
@@ -29,6 +47,7 @@ __all__ = ["GradStore"]
 _DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
 _FINAL, _HOLD_AFTER_BWD = MicroBatch.FINAL, TensorState.HOLD_AFTER_BWD
 _TO_HOLD_AFTER_BWD = SOURCES_OF[TensorState.HOLD_AFTER_BWD]
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward; each backward has its own id
 
 
 class GradStore:
@@ -39,6 +58,12 @@ class GradStore:
         self.mixed = mixed
         self.simulated = simulated
         self.micro_batch = MicroBatch.FINAL
+        # [Note: gradients land per family]: final gradients waiting for the rest of their family
+        self._waiting: dict[int, list[tuple[ParamRecord, torch.Tensor]]] = {}
+        self._waiting_numel = 0
+        self._waiting_bound = 0  # elements: the largest family's capacity (set with the first family seen)
+        self._trainable: dict[int, int] = {}  # trainable records per family
+        self._landing_task = -1  # the backward (autograd graph task) whose end lands what waits
 
     @property
     def accumulating(self) -> bool:
@@ -58,24 +83,89 @@ class GradStore:
             record.set_state(TensorState.HOLD_AFTER_BWD)
 
     def store_local(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        """One rank: store the final gradient and mark the slot (``HOLD`` while it sums micro-batches)."""
-        if self.mixed and self.micro_batch is _FINAL:  # chunk reuse, the common case: inlined
-            chunks = record.family.chunks
-            chunk, slot = chunks[_PARAM], record.slot
-            target = chunk.slot_view(slot)
-            if not self.simulated and chunk.tier is not _DEVICE:
-                self.residency.stats.d2h_bytes += grad.numel() * grad.element_size()
-            target.copy_(grad)
-            if not record.grad_in_param_slot:  # the parameter reads its fp32 master meanwhile
-                record.grad_in_param_slot = True
-                record.param.data = chunks.get(_MASTER, chunk).buffer_view(slot)  # as Residency.point_at_chunk
-            if slot.state not in _TO_HOLD_AFTER_BWD:
-                record.set_state(_HOLD_AFTER_BWD)  # raises
-            slot.state = _HOLD_AFTER_BWD
+        """One rank: take the gradient of ``record`` (a final one lands with its family's: [Note: gradients land
+        per family]; one summed over micro-batches is added to the GRAD chunk now, the slot stays ``HOLD``)."""
+        if self.micro_batch is not _FINAL:
+            self._copy_in(self.grad_chunk(record.family), record.slot, grad, add=record.grad_in_grad_chunk)
+            record.grad_in_grad_chunk = True
+            record.set_state(TensorState.HOLD)
             return
-        self._copy_in(self.grad_chunk(record.family), record.slot, grad, add=record.grad_in_grad_chunk)
-        record.grad_in_grad_chunk = True
-        record.set_state(TensorState.HOLD if self.accumulating else _HOLD_AFTER_BWD)
+        if record.waiting:  # a second gradient in one backward (reentrant checkpoint): the first lands first
+            self.settle()
+        if record.slot.state not in _TO_HOLD_AFTER_BWD:
+            record.set_state(_HOLD_AFTER_BWD)  # raises, before anything is kept
+        family = record.family
+        fid = family.family_id
+        task = _graph_task()
+        if task != self._landing_task and task >= 0:  # the first gradient of this backward: land at its end
+            Variable._execution_engine.queue_callback(self._at_backward_end)
+            self._landing_task = task
+        waiting = self._waiting.get(fid)
+        if waiting is None:
+            waiting = self._waiting[fid] = []
+        waiting.append((record, grad))
+        record.waiting = True
+        self._waiting_numel += grad.numel()
+        expected = self._trainable.get(fid)
+        if expected is None:
+            expected = self._trainable[fid] = sum(1 for r in family.records if r.trainable)
+            self._waiting_bound = max(self._waiting_bound, family.capacity)
+        if task < 0 or self._waiting_numel > self._waiting_bound:
+            self.settle()  # outside a backward (nothing would land it), or too much waits
+        elif len(waiting) >= expected:
+            self._land(fid)
+
+    def _at_backward_end(self) -> None:
+        with torch.no_grad():
+            self.settle()
+
+    def settle(self) -> None:
+        """Land every gradient still waiting ([Note: gradients land per family]): before anything reads them."""
+        if self._waiting:
+            with torch.no_grad():
+                for fid in list(self._waiting):
+                    self._land(fid)
+
+    def _land(self, fid: int) -> None:
+        """Write the waiting final gradients of family ``fid`` into its chunks and mark their slots."""
+        waiting = self._waiting.pop(fid)
+        family = waiting[0][0].family
+        self._waiting_numel -= sum(r.slot.numel for r, _ in waiting)
+        if self.mixed:  # chunk reuse: the param slots take the gradients, the parameters read their masters
+            chunks = family.chunks
+            chunk = chunks[_PARAM]
+            self._write(chunk, waiting, add=False)
+            master = chunks.get(_MASTER, chunk)
+            for record, _ in waiting:
+                if not record.grad_in_param_slot:  # as Residency.point_at_chunk
+                    record.grad_in_param_slot = True
+                    record.param.data = master.buffer_view(record.slot)
+                record.slot.state = _HOLD_AFTER_BWD
+                record.waiting = False
+            return
+        chunk = self.grad_chunk(family)
+        fresh = [(r, g) for r, g in waiting if not r.grad_in_grad_chunk]
+        summed = [(r, g) for r, g in waiting if r.grad_in_grad_chunk]  # an earlier backward's, not yet stepped
+        for pairs, add in ((fresh, False), (summed, True)):
+            if pairs:
+                self._write(chunk, pairs, add=add)
+        for record, _ in waiting:
+            record.grad_in_grad_chunk = True
+            record.slot.state = _HOLD_AFTER_BWD
+            record.waiting = False
+
+    def _write(self, chunk: Chunk, pairs: list[tuple[ParamRecord, torch.Tensor]], *, add: bool) -> None:
+        """Copy (or add) each gradient into its record's slot of ``chunk``, in one ``_foreach`` op."""
+        targets = [chunk.slot_view(r.slot) for r, _ in pairs]
+        grads = [g for _, g in pairs]
+        if chunk.tier is not _DEVICE and not self.simulated:  # gradients cross to the host, one by one
+            self.residency.stats.d2h_bytes += sum(g.numel() * g.element_size() for g in grads)
+            for target, grad in zip(targets, grads, strict=True):
+                target.add_(grad.to(target.device)) if add else target.copy_(grad)
+        elif add:
+            torch._foreach_add_(targets, grads)
+        else:
+            torch._foreach_copy_(targets, grads)
 
     def grad_to_param_slot(self, record: ParamRecord) -> None:
         """The param slot now holds (a part of) the gradient: the parameter reads its fp32 master meanwhile."""
@@ -128,6 +218,7 @@ class GradStore:
         ``manual_backward`` on several batches before ``opt.step()``): they are kept for the step, summed with
         the coming ones. A gradient in the param slot moves into the fp32 GRAD chunk and the slot gets its
         weight back from the master, so the next forward computes with the weight."""
+        self.settle()
         for record in records:
             if record.slot.state is not _HOLD_AFTER_BWD:
                 continue
@@ -148,6 +239,7 @@ class GradStore:
     def discard(self, records: Sequence[ParamRecord]) -> None:
         """Forget the gradients of ``records`` (``zero_grad``); weights overwritten by gradients are restored
         from the masters."""
+        self.settle()
         with torch.no_grad():
             for record in records:
                 if record.grad_in_param_slot:

@@ -310,8 +310,11 @@ class ModelHooks:
             manager.post_backward(records)
 
         def pre_forward(module: nn.Module, args: Any) -> None:
-            _traced("pstar::pre_forward", manager.pre_forward, records, index)
-            if torch.is_grad_enabled():
+            if _profiling():
+                _traced("pstar::pre_forward", manager.pre_forward, records, index)
+            else:
+                manager.pre_forward(records, index)
+            if torch.is_grad_enabled() and not manager.stationary:  # stationary: nothing to let move
                 inputs = _grad_tensors(args)
                 if inputs:
                     # fires once the module's backward has produced the gradient of its inputs: its
@@ -324,12 +327,15 @@ class ModelHooks:
         manager = self.manager
 
         def pre_backward() -> None:
-            _traced("pstar::pre_backward", manager.pre_backward, records, index)
+            if _profiling():
+                _traced("pstar::pre_backward", manager.pre_backward, records, index)
+            else:
+                manager.pre_backward(records, index)
 
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
             manager.post_forward(records, index, backward_follows=bool(outputs))
-            if outputs:
+            if outputs and not manager.stationary:  # stationary: the chunks are resident through the backward
                 self._register(outputs, pre_backward)
 
         return post_forward
@@ -341,7 +347,10 @@ class ModelHooks:
             grad = param.grad
             if grad is None:  # pragma: no cover - autograd calls the hook only after accumulating a gradient
                 return
-            _traced("pstar::grad_ready", manager.grad_ready, record, grad)
+            if _profiling():
+                _traced("pstar::grad_ready", manager.grad_ready, record, grad)
+            else:
+                manager.grad_ready(record, grad)
             param.grad = None  # the chunk holds it now; free autograd's copy
 
         return grad_hook
@@ -350,16 +359,24 @@ class ModelHooks:
     def _register(tensors: list[torch.Tensor], fn: Any) -> None:
         """Call ``fn`` once, when the first gradient of any of ``tensors`` has been computed.
 
-        What ``register_multi_grad_hook(tensors, fn, mode="any")`` does (a ``Tensor.register_hook`` on each
-        tensor, the first call wins), without its per-call lock, wrapper and handle objects.
+        What ``register_multi_grad_hook(tensors, fn, mode="any")`` does, without its per-call lock, wrapper and
+        handle objects: a pre-hook on the autograd node of each tensor (what ``Tensor.register_hook`` installs
+        on a non-leaf, less its handle and the tensor's hook dict; a node several tensors come from gets one),
+        a tensor hook on a leaf. The first call wins.
         """
         fired = False
 
-        def once(_grad: Any) -> None:
+        def once(*_: Any) -> None:
             nonlocal fired
             if not fired:
                 fired = True
                 fn()
 
+        seen = None
         for tensor in tensors:
-            tensor.register_hook(once)
+            node = tensor.grad_fn
+            if node is None:  # a leaf that requires grad (an input the user made)
+                tensor.register_hook(once)
+            elif node is not seen:
+                node.register_prehook(once)
+                seen = node

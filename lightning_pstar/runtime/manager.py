@@ -94,6 +94,7 @@ class ChunkManager:
         self.accumulates = accumulates  # declared at setup: mixed precision keeps an fp32 gradient sum
         self.phase = Phase.IDLE
         self.moment_chunk_bytes: dict[int, int] = {}  # moment index -> chunk bytes on the device (last seen)
+        self.stationary = False  # nothing moves this iteration: [Note: stationary chunks]
         self._stepped = False  # an optimizer stepped since training started (the warm-up can end)
         self._module_names: list[str] = []  # by module index, for moment labels (built on first report)
         self._forward_versions: dict[int, list[int]] = {}  # module index -> its weights' versions at pre-forward
@@ -236,15 +237,9 @@ class ChunkManager:
     def add_optimizer_chunks(self, kinds: Sequence[ChunkKind], families: Sequence[ChunkFamily] | None = None) -> None:
         """Allocate zeroed optimizer-state chunks (e.g. EXP_AVG, EXP_AVG_SQ) for every trainable family of
         ``families`` (default: all; an optimizer passes the families of its parameters) this rank owns."""
-        residency = self.residency
-        for family in self.families if families is None else families:
-            if not family.trainable or not self.owns(family):
-                continue
-            for kind in kinds:
-                if kind not in family.chunks:
-                    residency.allocate_optimizer_side(residency.new_chunk(family, kind, torch.float32))
-            if (not self.mixed or self.accumulates) and ChunkKind.GRAD not in family.chunks:
-                residency.allocate_optimizer_side(residency.new_chunk(family, ChunkKind.GRAD, torch.float32))
+        wanted = [*kinds, ChunkKind.GRAD] if not self.mixed or self.accumulates else list(kinds)
+        owned = [f for f in (self.families if families is None else families) if f.trainable and self.owns(f)]
+        self.residency.add_optimizer_chunks(owned, wanted)
 
     # ---- the table ------------------------------------------------------------------------------------
     @property
@@ -303,6 +298,8 @@ class ChunkManager:
             self.tracer.start_recording()
         else:
             self.tracer.start_iteration()
+        warmed_up = self.tracer.warmed_up and not self.sharding.distributed
+        self.stationary = warmed_up and self.residency.nothing_moves(self.tracer.trace.peak_non_model)
 
     def pre_forward(self, records: Sequence[ParamRecord], index: int) -> None:
         """Before module ``index``'s forward: its chunks resident, its slots ``COMPUTE``."""
@@ -344,9 +341,14 @@ class ChunkManager:
         ``moment`` names the point of the iteration (for the warm-up trace and the plan that follows it);
         ``module`` the index of the module whose forward needs them (ZeRO: its place in the sweep).
         """
+        residency = self.residency
+        if self.stationary and not residency.stats.param_chunks_on_host:  # [Note: stationary chunks]
+            if residency.step_open:
+                residency.close_step()
+            move_slots(records, new_state)
+            return
         cached = self.table.families_of_list.get(id(records))  # computed once for the lists the hooks pass
         families, fids = cached[1:] if cached is not None and cached[0] is records else families_of(records)
-        residency = self.residency
         if residency.step_open:
             residency.close_step()  # a module runs: any optimizer step is over
         phase = self.phase
@@ -365,7 +367,7 @@ class ChunkManager:
             if bounded:
                 residency.ensure_device_room(0, protect=protect)  # the tide: the room may have shrunk now
         if self.sharding.distributed:
-            self._gather_and_fetch(families, protect, in_backward=in_backward, module=module)
+            self.sharding.ensure_gathered(families, protect, in_backward=in_backward, module=module)
         else:  # one rank owns every family
             for family in families:
                 if bounded or not family.param_chunk.ready:
@@ -375,16 +377,6 @@ class ChunkManager:
             if cursor >= 0:
                 self.moment_chunk_bytes[cursor] = residency.device_used()
             residency.prefetch()
-
-    def _gather_and_fetch(
-        self, families: list[ChunkFamily], protect: set[int], *, in_backward: bool, module: int | None
-    ) -> None:
-        """Several ranks: gather the remote families, fetch the owned ones."""
-        sharding = self.sharding
-        sharding.ensure_gathered(list(families), protect, in_backward=in_backward, module=module)
-        for family in families:
-            if sharding.owns(family):
-                self.residency.fetch(family, protect=protect)
 
     def release(self, records: Sequence[ParamRecord], new_state: TensorState) -> None:
         """Move slots out of ``COMPUTE``; their chunks become evictable (remote ones: released) once no
@@ -418,6 +410,7 @@ class ChunkManager:
         """
         if self.phase is Phase.BACKWARD:
             self.phase = Phase.TRAINING
+        self.grads.settle()  # a backward that raised left gradients waiting ([Note: gradients land per family])
         if self.sharding.distributed:  # one rank has nothing to reduce
             with torch.no_grad():
                 self.sharding.flush()  # reduce groups whose parameters did not all receive a gradient
@@ -434,6 +427,7 @@ class ChunkManager:
             self.residency.begin_batch(warmed_up=self.tracer.warmed_up)
         self.residency.close_step()
         self.phase = Phase.IDLE
+        self.stationary = False
 
     def begin_eval_pass(self) -> None:
         """Every rank starts an evaluation step (validation, test, predict)."""
@@ -455,6 +449,7 @@ class ChunkManager:
     def step_moment(self) -> None:
         """The optimizer step is a moment of its own (it accesses every trainable family). At the warm-up's, the
         moments recorded so far must fit the device budget: refused before the step changes anything."""
+        self.grads.settle()
         training, recording = self.phase.training, self.tracer.recording
         fids = tuple(f.family_id for f in self.families if f.trainable)
         if training and recording:
@@ -465,7 +460,10 @@ class ChunkManager:
             self.residency.note_step()
             if not recording:
                 self.tracer.moment(MomentKind.STEP, 0, fids)
-            if self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
+            if self.stationary:  # no moment was followed: each held what the device holds now
+                used = self.residency.device_used()
+                self.moment_chunk_bytes.update((i, used) for i in range(len(self.tracer.trace.moments)))
+            elif self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
                 self.moment_chunk_bytes[self.tracer.cursor] = self.residency.device_used()
 
     def optimizer_stepped(self) -> None:

@@ -29,6 +29,24 @@ _DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
 
 log = logging.getLogger(__name__)
 
+# [Note: stationary chunks]
+# On one rank, once the warm-up is over, every param chunk is often on the device for good: without a device
+# budget (the simulated device) nothing is ever evicted, and with one the chunks may fit beside the warm-up's
+# peak of non-model memory at every moment. Then the per-module verbs have nothing to decide: no fetch, no
+# room to make, no prefetch, no trace to follow for the placement. :meth:`Residency.nothing_moves` says so at
+# the start of every training micro-batch (``ChunkManager.stationary``), and for that micro-batch
+#
+# - a module's forward only moves its slots' states (the transition guard still runs, and a mixed-precision
+#   forward's in-place writes still reach the fp32 masters);
+# - no backward hooks are registered (pre-backward and post-backward only make chunks resident again and let
+#   them move): the slots wait in ``HOLD_AFTER_FWD`` and go to ``HOLD_AFTER_BWD`` when their gradient lands, or
+#   to ``HOLD`` when the backward is finished, which the transition table allows from either state;
+# - the memory report's per-moment chunk bytes are what the device holds at the step (nothing moved).
+#
+# The first micro-batch after anything moved a chunk (an evaluation with a budget, a load) is stationary only if
+# the check passes again, and an access finds a param chunk on the host before it takes the short path.
+# Several ranks gather and release chunks every iteration: never stationary.
+
 
 class Residency:
     """Places the chunks of one model's families between DEVICE and HOST."""
@@ -95,6 +113,13 @@ class Residency:
         else:
             self.check_host_room(chunk.nbytes, chunk=chunk)
         chunk.allocate(self.optimizer_tier)
+
+    def add_optimizer_chunks(self, families: Sequence[ChunkFamily], kinds: Sequence[ChunkKind]) -> None:
+        """Zeroed fp32 chunks of ``kinds`` (optimizer states, the GRAD chunk) for each family lacking them."""
+        for family in families:
+            for kind in kinds:
+                if kind not in family.chunks:
+                    self.allocate_optimizer_side(self.new_chunk(family, kind, torch.float32))
 
     def allocate_on_host(self, chunk: Chunk) -> None:
         self.check_host_room(chunk.nbytes, chunk=chunk)
@@ -268,6 +293,25 @@ class Residency:
             )
 
     # ---- access ------------------------------------------------------------------------------------------
+    def nothing_moves(self, peak_non_model: int) -> bool:
+        """Whether no chunk can move during a training iteration, so the per-module verbs may skip what only moves
+        need ([Note: stationary chunks]): every param chunk is on the device with no copy in
+        flight, and without a budget, or with the chunks already on the device within the least room the
+        placement gives them at any moment of the trace (the budget less the warm-up's peak of non-model memory,
+        and the static policy's share), no fetch, eviction or prefetch would ever run."""
+        if self.stats.param_chunks_on_host:
+            return False
+        for family in self.families:
+            chunk = family.chunks.get(_PARAM)
+            if chunk is None or not chunk.ready:
+                return False
+        budget = self.device_budget
+        if budget is None:
+            return True
+        room = self.chunk_room()
+        least = budget - peak_non_model if room is None else min(room, budget - peak_non_model)
+        return self.device_used() <= least
+
     def fetch(self, family: ChunkFamily, *, protect: set[int]) -> None:
         """Make ``family``'s param chunk resident on DEVICE, evicting others if the budget requires."""
         chunk = family.param_chunk

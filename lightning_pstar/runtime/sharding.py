@@ -198,7 +198,8 @@ class GroupCoordinator:
     def ensure_gathered(
         self, families: list[ChunkFamily], protect: set[int], *, in_backward: bool, module: int | None = None
     ) -> None:
-        """Make every group of ``families`` present locally (collectives in sweep order, see the note).
+        """Make every group of ``families`` present locally (collectives in sweep order, see the note), and the
+        families this rank owns resident on the device.
 
         ``module`` (the index of the module whose forward needs them) first advances a forward sweep to the
         module's place in the module tree, so that what happens next (a gather of a group the sweep passed)
@@ -221,6 +222,9 @@ class GroupCoordinator:
                 self._gather(group, guard)  # used again after the sweep passed it (a tied head)
         self.release_passed(keep=set(groups))  # the slots of this access are not marked COMPUTE yet
         self._prefetch_next(guard)
+        for family in families:  # the owned families come to the device
+            if self.owns(family):
+                self.residency.fetch(family, protect=protect)
 
     def _sweep_to(self, index: int, protect: set[int]) -> None:
         while self.cursor < index:

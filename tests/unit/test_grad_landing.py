@@ -1,0 +1,172 @@
+"""Final gradients land per chunk family on one rank ([Note: gradients land per family] in runtime/grads.py): kept
+by the hook, written into the chunks once the family is complete or the backward returns, before anything reads
+them, and never more than one chunk's worth at a time. Reference: the same model's own autograd gradients."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pstar.config import PStarConfig
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.hooks import ModelHooks
+from lightning_pstar.runtime.manager import ChunkManager, ParamRecord
+from lightning_pstar.runtime.state import InvalidTransitionError, TensorState
+
+CPU = torch.device("cpu")
+CAP = 160  # two Linear(8, 8) per chunk family
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+
+
+def _setup(model: nn.Module, dtype: torch.dtype) -> tuple[ChunkManager, ModelHooks]:
+    config = PStarConfig.from_flat(chunk_size=CAP, placement="static")
+    manager = ChunkManager(model, config=config, compute_dtype=dtype, device=CPU)
+    manager.materialise()
+    hooks = ModelHooks(manager)
+    hooks.install()
+    return manager, hooks
+
+
+def _stored(record: ParamRecord) -> torch.Tensor:
+    family = record.family
+    if record.grad_in_param_slot:
+        return family.param_chunk.slot_view(record.slot).float()
+    return family.chunks[ChunkKind.GRAD].slot_view(record.slot)
+
+
+def _reference_grads(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    reference = copy.deepcopy(model).to(dtype)
+    reference(x.to(dtype)).float().pow(2).mean().backward()
+    return {n: p.grad.float() for n, p in reference.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_have_landed_when_backward_returns(dtype: torch.dtype) -> None:
+    model = _mlp()
+    x = torch.randn(4, 8)
+    expected = _reference_grads(model, x, dtype)
+    manager, hooks = _setup(model, dtype)
+    landed: list[int] = []
+    land = manager.grads._land
+    manager.grads._land = lambda fid: (landed.append(fid), land(fid))[1]  # type: ignore[method-assign]
+    with hooks.saved_tensors():
+        out = model(x.to(dtype))
+    out.float().pow(2).mean().backward()
+    # no finish_backward: the callback queued on autograd's backward landed everything
+    assert not manager.grads._waiting
+    assert sorted(landed) == sorted({r.family.family_id for r in manager.records})  # once per family
+    for record in manager.records:
+        assert record.slot.state is TensorState.HOLD_AFTER_BWD and not record.waiting, record.names
+        assert torch.equal(_stored(record), expected[record.names[0]]), record.names
+        assert record.param.grad is None
+
+
+def test_a_gradient_stored_outside_a_backward_lands_at_once() -> None:
+    manager, _ = _setup(_mlp(), torch.float32)
+    record = manager.records[0]
+    grad = torch.full(record.slot.shape, 3.0)
+    manager.grad_ready(record, grad)
+    assert not manager.grads._waiting and not record.waiting
+    assert record.slot.state is TensorState.HOLD_AFTER_BWD
+    assert torch.equal(_stored(record), grad)
+
+
+class _Boom(nn.Module):
+    """Raises in the backward once the last layers' gradients have arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[:3](x)
+        return self.net[3:](_RaiseInBackward.apply(h))
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def test_a_backward_that_raises_leaves_what_arrived_for_finish_backward() -> None:
+    model = _Boom()
+    manager, hooks = _setup(model, torch.bfloat16)
+    with hooks.saved_tensors():
+        out = model(torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="boom"):
+        out.float().pow(2).mean().backward()
+    waiting = [r for r in manager.records if r.waiting]
+    assert waiting, "a family whose gradients had not all arrived should be waiting"
+    arrived = {r.names[0] for r in manager.records if r.waiting or r.slot.state is TensorState.HOLD_AFTER_BWD}
+    weights = {r.names[0]: r.param.detach().clone() for r in waiting}
+    manager.finish_backward()  # as the strategy does after a backward, raised or not
+    assert not manager.grads._waiting
+    for record in manager.records:
+        if record.names[0] in arrived:
+            assert record.slot.state is TensorState.HOLD_AFTER_BWD and record.grad_in_param_slot, record.names
+        else:
+            assert record.slot.state is TensorState.HOLD and not record.has_grad, record.names
+        if record.names[0] in weights:  # while the slot holds the gradient, the parameter reads the weight it had
+            assert torch.equal(record.param.detach().bfloat16(), weights[record.names[0]])
+
+
+def test_what_waits_stays_within_one_chunk_when_families_never_complete() -> None:
+    model = _mlp()
+    manager, hooks = _setup(model, torch.bfloat16)
+    for layer in model:  # every family loses a parameter's gradient: none completes before the backward ends
+        layer.bias.requires_grad_(False)
+    store = manager.grads
+    most = []
+    store_local = store.store_local
+
+    def watched(record: ParamRecord, grad: torch.Tensor) -> None:
+        store_local(record, grad)
+        most.append(store._waiting_numel)
+
+    store.store_local = watched  # type: ignore[method-assign]
+    with hooks.saved_tensors():
+        out = model(torch.randn(4, 8).bfloat16())
+    out.float().pow(2).mean().backward()
+    assert len(most) == len(model)
+    assert max(most) <= CAP and store._waiting_bound == CAP
+    assert not store._waiting
+    assert all(layer.weight is not None for layer in model)
+    assert all(manager.record_of(layer.weight).slot.state is TensorState.HOLD_AFTER_BWD for layer in model)
+
+
+def test_a_second_gradient_in_one_backward_lands_the_first_then_is_refused() -> None:
+    model = _mlp()
+    config = PStarConfig.from_flat(chunk_size=1024, placement="static")  # one family holds every layer
+    manager = ChunkManager(model, config=config, compute_dtype=torch.float32, device=CPU)
+    manager.materialise()
+    hooks = ModelHooks(manager)
+    hooks.install()
+    model[0].bias.requires_grad_(False)  # the family never completes: its gradients wait for the backward's end
+    record = manager.record_of(model[5].weight)
+    expected = _reference_grads(model, torch.ones(4, 8), torch.float32)["5.weight"]
+    x = torch.ones(4, 8, requires_grad=True)
+    with hooks.saved_tensors():
+        out = model(x)
+
+    def again(_: Any) -> None:  # the last node of the backward hands the engine layer 5's gradient a second time
+        assert record.waiting
+        manager.grad_ready(record, torch.zeros(record.slot.shape))
+
+    x.register_hook(again)
+    with pytest.raises(InvalidTransitionError, match="hold_after_bwd -> hold_after_bwd"):
+        out.pow(2).mean().backward()
+    assert not record.waiting and record.slot.state is TensorState.HOLD_AFTER_BWD
+    assert torch.equal(_stored(record), expected)  # the first landed; the refused one changed nothing
