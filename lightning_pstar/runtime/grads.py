@@ -61,8 +61,8 @@ class GradStore:
         # [Note: gradients land per family]: final gradients waiting for the rest of their family
         self._waiting: dict[int, list[tuple[ParamRecord, torch.Tensor]]] = {}
         self._waiting_numel = 0
-        self._waiting_bound = 0  # elements: the largest family's capacity (set with the first family seen)
-        self._trainable: dict[int, int] = {}  # trainable records per family
+        self._waiting_bound = max((f.capacity for f in residency.families), default=0)  # elements: one chunk
+        self._expected = {f.family_id: sum(r.trainable for r in f.records) for f in residency.families}
         self._landing_task = -1  # the backward (autograd graph task) whose end lands what waits
 
     @property
@@ -92,27 +92,23 @@ class GradStore:
             return
         if record.waiting:  # a second gradient in one backward (reentrant checkpoint): the first lands first
             self.settle()
-        if record.slot.state not in _TO_HOLD_AFTER_BWD:
+        slot = record.slot
+        if slot.state not in _TO_HOLD_AFTER_BWD:
             record.set_state(_HOLD_AFTER_BWD)  # raises, before anything is kept
-        family = record.family
-        fid = family.family_id
         task = _graph_task()
         if task != self._landing_task and task >= 0:  # the first gradient of this backward: land at its end
             Variable._execution_engine.queue_callback(self._at_backward_end)
             self._landing_task = task
+        fid = record.family.family_id
         waiting = self._waiting.get(fid)
         if waiting is None:
             waiting = self._waiting[fid] = []
         waiting.append((record, grad))
         record.waiting = True
-        self._waiting_numel += grad.numel()
-        expected = self._trainable.get(fid)
-        if expected is None:
-            expected = self._trainable[fid] = sum(1 for r in family.records if r.trainable)
-            self._waiting_bound = max(self._waiting_bound, family.capacity)
-        if task < 0 or self._waiting_numel > self._waiting_bound:
+        numel = self._waiting_numel = self._waiting_numel + slot.numel
+        if task < 0 or numel > self._waiting_bound:
             self.settle()  # outside a backward (nothing would land it), or too much waits
-        elif len(waiting) >= expected:
+        elif len(waiting) >= self._expected[fid]:
             self._land(fid)
 
     def _at_backward_end(self) -> None:
