@@ -9,7 +9,7 @@ A parameter's final gradient of a backward lands in one of two places (:class:`G
 
 Both can hold a part at once (accumulated micro-batches in GRAD, the last one in the param slot): the
 optimizer adds them. With several ranks the gradient first goes to the sharding layer, which reduces it
-across ranks and stores the owner's share through :meth:`GradStore.store`.
+across ranks and stores the owner's share through :meth:`GradStore.store_owned`.
 
 [Note: gradients land per family]
 On one rank a final gradient (the last micro-batch before a step) is not copied into its chunk when autograd
@@ -69,18 +69,35 @@ class GradStore:
     def accumulating(self) -> bool:
         return self.micro_batch is MicroBatch.ACCUMULATING
 
-    def store(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        """Store the gradient averaged over ranks for a slot this rank owns (ZeRO data parallelism)."""
-        family = record.family
-        view = grad.view(record.slot.shape)
-        if self.mixed and not self.accumulating and ChunkKind.GRAD not in family.chunks:
-            self._copy_in(family.param_chunk, record.slot, view, add=False)  # chunk reuse: 14 bytes/param
-            self.grad_to_param_slot(record)
+    def store_owned(self, records: Sequence[ParamRecord], reduced: torch.Tensor) -> None:
+        """Store the gradients averaged over ranks of ``records``, slots of one family this rank owns (ZeRO data
+        parallelism), from ``reduced``, laid out as the family's chunks: one ``_foreach`` op per kind of write,
+        after every slot's state was checked."""
+        if not records:
+            return
+        final = not self.accumulating
+        if final:
+            for record in records:
+                if record.slot.state not in _TO_HOLD_AFTER_BWD:
+                    record.set_state(_HOLD_AFTER_BWD)  # raises, before anything is written
+        family = records[0].family
+        pairs = [(r, reduced[r.slot.offset : r.slot.offset + r.slot.numel].view(r.slot.shape)) for r in records]
+        if self.mixed and final and ChunkKind.GRAD not in family.chunks:
+            self._write(family.param_chunk, pairs, add=False)  # chunk reuse: 14 bytes/param
+            for record in records:
+                self.grad_to_param_slot(record)
         else:
-            self._copy_in(self.grad_chunk(family), record.slot, view, add=record.grad_in_grad_chunk)
-            record.grad_in_grad_chunk = True
-        if not self.accumulating:
-            record.set_state(TensorState.HOLD_AFTER_BWD)
+            chunk = self.grad_chunk(family)
+            fresh = [(r, g) for r, g in pairs if not r.grad_in_grad_chunk]
+            summed = [(r, g) for r, g in pairs if r.grad_in_grad_chunk]  # earlier micro-batches' sum
+            for part, add in ((fresh, False), (summed, True)):
+                if part:
+                    self._write(chunk, part, add=add)
+            for record in records:
+                record.grad_in_grad_chunk = True
+        if final:
+            for record in records:
+                record.slot.state = _HOLD_AFTER_BWD
 
     def store_local(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """One rank: take the gradient of ``record`` (a final one lands with its family's: [Note: gradients land

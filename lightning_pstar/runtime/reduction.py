@@ -209,10 +209,7 @@ class GroupReducer:
         own = self.members(group)[self.rank]
         output.div_(self.world_size)
         present = output[own.capacity : own.capacity + len(own.records)].tolist()
-        for record, flag in zip(own.records, present, strict=True):
-            if flag > 0:
-                slot = record.slot
-                self.grads.store(record, output[slot.offset : slot.offset + slot.numel])
+        self.grads.store_owned([r for r, flag in zip(own.records, present, strict=True) if flag > 0], output)
 
     def discard(self) -> None:
         """Forget local gradients that were never reduced (zero_grad before a step)."""

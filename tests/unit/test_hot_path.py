@@ -214,3 +214,40 @@ def test_with_a_budget_every_fetch_still_counts_as_a_use() -> None:
     manager.access(records[0], TensorState.COMPUTE)  # evicts the least recently used resident chunk: 2
     on_device = [f.family_id for f in manager.families if f.param_chunk.tier is Tier.DEVICE]
     assert on_device == [0, 1]
+
+
+# ---- backward hooks on autograd nodes ---------------------------------------------------------------------
+class _Split(nn.Module):
+    """A module whose inputs come from one autograd node (a split) and a leaf the caller made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+        return self.inner(a + b + leaf)
+
+
+def test_backward_hooks_fire_once_per_module_for_node_outputs_and_leaves() -> None:
+    from lightning_pstar.runtime.hooks import ModelHooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16))
+    tail = _Split()
+    manager = _manager(nn.ModuleDict({"head": model, "tail": tail}))
+    hooks = ModelHooks(manager)
+    hooks.install()
+    calls: list[str] = []
+    for name in ("pre_backward", "post_backward"):
+        verb = getattr(manager, name)
+        setattr(manager, name, lambda *a, _v=verb, _n=name: (calls.append(_n), _v(*a))[1])
+    leaf = torch.randn(4, 8, requires_grad=True)
+    with hooks.saved_tensors():
+        a, b = model(torch.randn(4, 8)).split(8, dim=1)  # two inputs of `tail` from one SplitBackward node
+        out = tail(a, b, leaf)
+    out.sum().backward()
+    # tail: one pre-backward (its output) and one post-backward (a, b and the leaf: the first gradient wins)
+    assert calls.count("pre_backward") == 2 and calls.count("post_backward") == 1, calls
+    assert leaf.grad is not None
+    torch.testing.assert_close(leaf.grad, tail.inner.weight.detach().sum(0).expand(4, 8))
+    hooks.remove()
