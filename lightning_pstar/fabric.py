@@ -341,10 +341,13 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         manager = self._require_manager()
         self._refuse_stale_clipping("a new backward started")  # the norm clip_gradients returned would be stale
         manager.begin_backward()  # every rank is here: collectives may start
-        with out_of_memory_as_error(manager):
-            self.precision.pre_backward(tensor, module)
-            self.precision.backward(tensor, module, *args, **kwargs)
-            self.precision.post_backward(tensor, module)
+        try:
+            with out_of_memory_as_error(manager):
+                self.precision.pre_backward(tensor, module)
+                self.precision.backward(tensor, module, *args, **kwargs)
+                self.precision.post_backward(tensor, module)
+        finally:  # a backward that raised: what arrived lands ([Note: gradients land per family])
+            manager.grads.settle()
         manager.finish_backward()
         self._batch_open = False
 

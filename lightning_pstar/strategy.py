@@ -323,6 +323,14 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             manager.micro_batch = MicroBatch.FINAL
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:  # a backward that raised: what arrived lands ([Note: gradients land per family])
+            if self._manager is not None:
+                self._manager.grads.settle()
+
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self._manager is not None:
             self._manager.begin_backward()  # every rank is here: collectives may start (see groups.py)

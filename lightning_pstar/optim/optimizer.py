@@ -400,6 +400,7 @@ class ChunkedOptimizer(Optimizer):
         the norm is global (a collective): every rank calls it. Set the gradient policy first (the
         precision plugin's ``begin_step``); a new backward before the step would make it stale.
         """
+        self._manager.grads.settle()  # gradients a raised backward left waiting ([Note: gradients land per family])
         read = self._host_grads()
         finite, total = self._global_norm(self._families_with_grads(), read)
         self._read_norm = _ReadNorm(on_host=read, finite=finite, total=total)

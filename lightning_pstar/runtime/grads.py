@@ -19,14 +19,17 @@ gradient in the GRAD chunk) and one loop over its records, once every trainable 
 its gradient. Per parameter the hook then does a list append instead of a copy, a view lookup and a
 ``param.data`` swap, each of which costs microseconds when it runs between the backward's kernels (the
 interpreter's and the dispatcher's caches are cold there). What waits is bounded: a family's gradients until
-its last one, and everything once more than one chunk's worth of elements waits (a family whose parameters do
+its last one, and everything as soon as more elements wait than one chunk holds (a family whose parameters do
 not all receive a gradient). Nothing outlives the backward: the first gradient that waits queues a callback on
 autograd's running backward (``queue_callback``, as DDP's reducer finishes its buckets), which lands the rest
 when that backward returns, however it was called (``loss.backward()``, ``manual_backward``, a reentrant
-checkpoint's inner backward). Every reader of gradients (the step, ``zero_grad``, the next micro-batch, the end
-of a backward that raised) lands what still waits first (:meth:`GradStore.settle`). The state check runs when
-the gradient arrives, before anything is kept, so a gradient the table refuses raises as before; a waiting
-parameter keeps its weight in the slot (and is read from it) until its gradient lands.
+checkpoint's inner backward). A backward that raises runs no callback: the strategy's and Fabric's ``backward``
+land what arrived in a ``finally``, and every reader of gradients (the step, the gradient norm, ``zero_grad``,
+the next micro-batch) lands what still waits first (:meth:`GradStore.settle`). The state check runs when the
+gradient arrives, before anything is kept, so a gradient the table refuses raises as before; a waiting
+parameter keeps its weight in the slot (and is read from it) until its gradient lands. When a gradient replaces
+a weight in its slot (chunk reuse) the parameter's version counter is bumped: a tensor autograd saved of that
+weight and reads again (a second backward of a retained graph) raises autograd's in-place error.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ _DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
 _FINAL, _HOLD_AFTER_BWD = MicroBatch.FINAL, TensorState.HOLD_AFTER_BWD
 _TO_HOLD_AFTER_BWD = SOURCES_OF[TensorState.HOLD_AFTER_BWD]
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward; each backward has its own id
+
+
+def _weights_replaced(records: Sequence[ParamRecord]) -> None:
+    """The param slots of ``records`` hold gradients now (chunk reuse): bump the parameters' version counters, so
+    that a tensor autograd saved of a weight and reads in a later backward (``retain_graph``, a second backward
+    of the same graph) raises autograd's in-place error instead of reading a gradient as the weight."""
+    torch.autograd.graph.increment_version([r.param for r in records])
 
 
 class GradStore:
@@ -84,6 +94,7 @@ class GradStore:
         pairs = [(r, reduced[r.slot.offset : r.slot.offset + r.slot.numel].view(r.slot.shape)) for r in records]
         if self.mixed and final and ChunkKind.GRAD not in family.chunks:
             self._write(family.param_chunk, pairs, add=False)  # chunk reuse: 14 bytes/param
+            _weights_replaced(records)
             for record in records:
                 self.grad_to_param_slot(record)
         else:
@@ -141,29 +152,30 @@ class GradStore:
 
     def _land(self, fid: int) -> None:
         """Write the waiting final gradients of family ``fid`` into its chunks and mark their slots."""
-        waiting = self._waiting.pop(fid)
+        waiting = self._waiting[fid]  # popped once written (a write that raises leaves it waiting)
         family = waiting[0][0].family
-        self._waiting_numel -= sum(r.slot.numel for r, _ in waiting)
         if self.mixed:  # chunk reuse: the param slots take the gradients, the parameters read their masters
             chunks = family.chunks
             chunk = chunks[_PARAM]
             self._write(chunk, waiting, add=False)
+            _weights_replaced([r for r, _ in waiting])
             master = chunks.get(_MASTER, chunk)
             for record, _ in waiting:
                 if not record.grad_in_param_slot:  # as Residency.point_at_chunk
                     record.grad_in_param_slot = True
                     record.param.data = master.buffer_view(record.slot)
-                record.slot.state = _HOLD_AFTER_BWD
-                record.waiting = False
-            return
-        chunk = self.grad_chunk(family)
-        fresh = [(r, g) for r, g in waiting if not r.grad_in_grad_chunk]
-        summed = [(r, g) for r, g in waiting if r.grad_in_grad_chunk]  # an earlier backward's, not yet stepped
-        for pairs, add in ((fresh, False), (summed, True)):
-            if pairs:
-                self._write(chunk, pairs, add=add)
+        else:
+            chunk = self.grad_chunk(family)
+            fresh = [(r, g) for r, g in waiting if not r.grad_in_grad_chunk]
+            summed = [(r, g) for r, g in waiting if r.grad_in_grad_chunk]  # an earlier backward's, not yet stepped
+            for pairs, add in ((fresh, False), (summed, True)):
+                if pairs:
+                    self._write(chunk, pairs, add=add)
+            for record, _ in waiting:
+                record.grad_in_grad_chunk = True
+        del self._waiting[fid]
         for record, _ in waiting:
-            record.grad_in_grad_chunk = True
+            self._waiting_numel -= record.slot.numel
             record.slot.state = _HOLD_AFTER_BWD
             record.waiting = False
 

@@ -62,6 +62,7 @@ from lightning_pstar.runtime.state import TensorState
 __all__ = ["ModelHooks"]
 
 _profiling = torch._C._autograd._profiler_enabled
+_graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outside one)
 
 
 def _traced(name: str, fn: Any, *args: Any) -> Any:
@@ -158,6 +159,7 @@ class ModelHooks:
         self._stats_stash: dict[nn.Module, dict[str, torch.Tensor]] = {}  # BatchNorm parameters during its forward
         self._unpack_node: Any = None  # the autograd node unpacking saved weights now (held until the next)
         self._unpack_pins: set[int] = set()  # families it read from: not evicted while it runs
+        self._leaf_handles: list[Any] = []  # hooks on leaf inputs of modules (removed at the next training forward)
 
     def install(self) -> None:
         add = self._add_module_hooks
@@ -216,10 +218,16 @@ class ModelHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._remove_leaf_hooks()
         self._unpack_node = None
         self._unpack_pins = set()
         for module in list(self._stats_stash):  # a forward that raised: hand back the parameters
             self._batchnorm_params_back(module)
+
+    def _remove_leaf_hooks(self) -> None:
+        for handle in self._leaf_handles:
+            handle.remove()
+        self._leaf_handles.clear()
 
     # ---- tensors autograd saves for backward ([Note: saved weights]) ----------------------------------
     @contextmanager
@@ -227,6 +235,7 @@ class ModelHooks:
         """Around a training forward: saved weights by reference, and the warm-up's saved-tensor accounting."""
         self._unpack_node = None
         self._unpack_pins = set()
+        self._remove_leaf_hooks()
         with torch.autograd.graph.saved_tensors_hooks(self._eager_pack, self._eager_unpack):
             yield
 
@@ -319,7 +328,7 @@ class ModelHooks:
                 if inputs:
                     # fires once the module's backward has produced the gradient of its inputs: its
                     # chunks may move again (a tied weight waits for its gradient elsewhere, unpinned)
-                    self._register(inputs, post_backward)
+                    self._register(inputs, post_backward, inputs=True)
 
         return pre_forward
 
@@ -336,7 +345,7 @@ class ModelHooks:
             outputs = _grad_tensors(output) if torch.is_grad_enabled() else []
             manager.post_forward(records, index, backward_follows=bool(outputs))
             if outputs and not manager.stationary:  # stationary: the chunks are resident through the backward
-                self._register(outputs, pre_backward)
+                self._register(outputs, pre_backward, inputs=False)
 
         return post_forward
 
@@ -355,27 +364,37 @@ class ModelHooks:
 
         return grad_hook
 
-    @staticmethod
-    def _register(tensors: list[torch.Tensor], fn: Any) -> None:
-        """Call ``fn`` once, when the first gradient of any of ``tensors`` has been computed.
+    def _register(self, tensors: list[torch.Tensor], fn: Any, *, inputs: bool) -> None:
+        """Call ``fn`` once per backward, when the first gradient of any of ``tensors`` has been computed.
 
         What ``register_multi_grad_hook(tensors, fn, mode="any")`` does, without its per-call lock, wrapper and
-        handle objects: a pre-hook on the autograd node of each tensor (what ``Tensor.register_hook`` installs
-        on a non-leaf, less its handle and the tensor's hook dict; a node several tensors come from gets one),
-        a tensor hook on a leaf. The first call wins.
+        handle objects, and armed again for each backward of the graph (``retain_graph``: the second backward
+        makes the module's chunks resident, and meets the transition guard, as the first did). Outputs get a
+        pre-hook on their autograd node (what ``Tensor.register_hook`` installs on a non-leaf, less its handle and
+        the tensor's hook dict; one per node): the module's backward is that node running. Inputs get
+        ``Tensor.register_hook``, which autograd also calls for a tensor whose gradient it only captures
+        (``torch.autograd.grad(..., inputs=h)``), where the node never runs; a leaf's hook (a parameter passed as
+        an input) is removed at the next training forward, so hooks do not pile up on the leaf.
         """
-        fired = False
+        fired = -2  # the backward (autograd graph task) it last fired in
 
         def once(*_: Any) -> None:
             nonlocal fired
-            if not fired:
-                fired = True
+            task = _graph_task()
+            if task != fired:
+                fired = task
                 fn()
 
+        if inputs:
+            for tensor in tensors:
+                handle = tensor.register_hook(once)
+                if tensor.grad_fn is None:
+                    self._leaf_handles.append(handle)
+            return
         seen = None
         for tensor in tensors:
             node = tensor.grad_fn
-            if node is None:  # a leaf that requires grad (an input the user made)
+            if node is None:  # an output that is a leaf (an input handed back)
                 tensor.register_hook(once)
             elif node is not seen:
                 node.register_prehook(once)

@@ -299,7 +299,9 @@ class ChunkManager:
         else:
             self.tracer.start_iteration()
         warmed_up = self.tracer.warmed_up and not self.sharding.distributed
-        self.stationary = warmed_up and self.residency.nothing_moves(self.tracer.trace.peak_non_model)
+        self.stationary = self.tracer.untraced = warmed_up and self.residency.nothing_moves(
+            self.tracer.trace.peak_non_model
+        )
 
     def pre_forward(self, records: Sequence[ParamRecord], index: int) -> None:
         """Before module ``index``'s forward: its chunks resident, its slots ``COMPUTE``."""
@@ -427,7 +429,7 @@ class ChunkManager:
             self.residency.begin_batch(warmed_up=self.tracer.warmed_up)
         self.residency.close_step()
         self.phase = Phase.IDLE
-        self.stationary = False
+        self.stationary = self.tracer.untraced = False
 
     def begin_eval_pass(self) -> None:
         """Every rank starts an evaluation step (validation, test, predict)."""

@@ -296,7 +296,8 @@ class Residency:
     def nothing_moves(self, peak_non_model: int) -> bool:
         """Whether no chunk can move during a training iteration, so the per-module verbs may skip what only moves
         need ([Note: stationary chunks]): every param chunk is on the device with no copy in
-        flight, and without a budget, or with the chunks already on the device within the least room the
+        flight, every trainable family's optimizer steps there (a host step moves its param chunk), and without
+        a budget, or with the chunks already on the device within the least room the
         placement gives them at any moment of the trace (the budget less the warm-up's peak of non-model memory,
         and the static policy's share), no fetch, eviction or prefetch would ever run."""
         if self.stats.param_chunks_on_host:
@@ -305,6 +306,8 @@ class Residency:
             chunk = family.chunks.get(_PARAM)
             if chunk is None or not chunk.ready:
                 return False
+            if family.trainable and self.optimizer_tier_of(family) is not _DEVICE:
+                return False  # its step moves the param chunk to the host and back
         budget = self.device_budget
         if budget is None:
             return True

@@ -164,6 +164,7 @@ class MemoryTracer:
         self.warmed_up = False
         self.cursor = -1  # index of the current moment in the trace (after warm-up)
         self.matches = True  # False once the execution stopped following the trace
+        self.untraced = False  # a stationary micro-batch: its modules are not followed ([Note: stationary chunks])
         self._live = 0  # simulated device: bytes of saved tensors alive now
         self._peak = 0  # simulated device: peak of ``_live`` since the last moment
         self._pending: tuple[MomentKind, int, tuple[int, ...]] | None = None
@@ -284,6 +285,8 @@ class MemoryTracer:
         if self.recording and self._pending is not None:
             kind, key, _ = self._pending
             where = "warm-up"
+        elif self.untraced and self.cursor < 0:
+            return "a training micro-batch after the warm-up (no chunk moves in it, so its modules are not traced)"
         elif self.warmed_up and self.matches and 0 <= self.cursor < len(self.trace.moments):
             moment = self.trace.moments[self.cursor]
             kind, key, where = moment.kind, moment.key, f"moment {self.cursor} of the trace"

@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
 
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager, ParamRecord
 from lightning_pstar.runtime.state import InvalidTransitionError, TensorState
@@ -101,7 +103,7 @@ class _RaiseInBackward(torch.autograd.Function):
         raise RuntimeError("boom")
 
 
-def test_a_backward_that_raises_leaves_what_arrived_for_finish_backward() -> None:
+def test_a_backward_that_raises_lands_what_arrived() -> None:
     model = _Boom()
     manager, hooks = _setup(model, torch.bfloat16)
     with hooks.saved_tensors():
@@ -112,8 +114,9 @@ def test_a_backward_that_raises_leaves_what_arrived_for_finish_backward() -> Non
     assert waiting, "a family whose gradients had not all arrived should be waiting"
     arrived = {r.names[0] for r in manager.records if r.waiting or r.slot.state is TensorState.HOLD_AFTER_BWD}
     weights = {r.names[0]: r.param.detach().clone() for r in waiting}
-    manager.finish_backward()  # as the strategy does after a backward, raised or not
+    manager.grads.settle()  # what the strategy's and Fabric's backward do when it raised (a `finally`)
     assert not manager.grads._waiting
+    manager.finish_backward()  # the next micro-batch starts with it
     for record in manager.records:
         if record.names[0] in arrived:
             assert record.slot.state is TensorState.HOLD_AFTER_BWD and record.grad_in_param_slot, record.names
@@ -170,3 +173,44 @@ def test_a_second_gradient_in_one_backward_lands_the_first_then_is_refused() -> 
         out.pow(2).mean().backward()
     assert not record.waiting and record.slot.state is TensorState.HOLD_AFTER_BWD
     assert torch.equal(_stored(record), expected)  # the first landed; the refused one changed nothing
+
+
+class _BoomLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Boom()
+
+    def training_step(self, batch: Any, i: int) -> torch.Tensor:
+        self.manager = self.trainer.strategy._manager  # type: ignore[attr-defined]  # gone after a failed fit
+        return self.model(batch[0]).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+
+def test_the_strategy_lands_the_gradients_of_a_backward_that_raised() -> None:
+    from lightning_pstar import PatrickStarStrategy
+
+    strategy = PatrickStarStrategy(chunk_size=CAP, placement="static")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=4)
+    module = _BoomLM()
+    landed: list[int] = []
+    real_land = GradStore._land
+
+    def land(self: GradStore, fid: int) -> None:
+        landed.append(fid)
+        real_land(self, fid)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GradStore, "_land", land)
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.fit(module, data)
+    manager = module.manager
+    assert not manager.grads._waiting and not any(r.waiting for r in manager.records)
+    # the last three layers' gradients arrived before the error: all of their families landed
+    arrived = {manager.record_of(p).family.family_id for p in module.model.net[3:].parameters()}
+    assert arrived <= set(landed)

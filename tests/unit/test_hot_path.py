@@ -4,6 +4,8 @@ that lets a prefetch return at once, and the one-rank fetch that skips resident 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -251,3 +253,72 @@ def test_backward_hooks_fire_once_per_module_for_node_outputs_and_leaves() -> No
     assert leaf.grad is not None
     torch.testing.assert_close(leaf.grad, tail.inner.weight.detach().sum(0).expand(4, 8))
     hooks.remove()
+
+
+def _hooked(model: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[ChunkManager, Any]:
+    from lightning_pstar.runtime.hooks import ModelHooks
+
+    manager = _manager(model, dtype=dtype)
+    hooks = ModelHooks(manager)
+    hooks.install()
+    manager.begin_training_batch()
+    return manager, hooks
+
+
+def test_post_backward_fires_for_an_input_whose_gradient_is_only_captured() -> None:
+    model = _mlp(layers=2)
+    manager, hooks = _hooked(model)
+    fired: list[str] = []
+    verb = manager.post_backward
+    manager.post_backward = lambda records: (fired.append(records[0].names[0]), verb(records))[1]  # type: ignore[method-assign]
+    h = torch.randn(4, 8, requires_grad=True) * 2  # a non-leaf input of layer 0: autograd.grad captures it
+    with hooks.saved_tensors():
+        out = model(h)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), h)
+    assert sorted(fired) == ["0.weight", "1.weight"]
+    assert all(r.slot.state is not TensorState.COMPUTE for r in manager.records)  # nothing stays pinned
+
+
+def test_hooks_on_a_leaf_input_do_not_pile_up() -> None:
+    class Child(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return self.lin(x + pos)
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.zeros(8))
+            self.child = Child()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.child(x, self.pos)
+
+    model = Parent()
+    manager, hooks = _hooked(model)
+    for _ in range(4):
+        manager.begin_training_batch()
+        with hooks.saved_tensors():
+            out = model(torch.randn(4, 8))
+        out.sum().backward()
+        manager.finish_backward()
+        manager.discard_grads()
+    assert len(model.pos._backward_hooks or {}) <= 1  # the last forward's only
+
+
+@pytest.mark.parametrize("stationary", [False, True], ids=["moving", "stationary"])
+def test_a_second_backward_through_a_weight_its_gradient_replaced_raises(stationary: bool) -> None:
+    model = _mlp(layers=2)
+    manager, hooks = _hooked(model, dtype=torch.bfloat16)
+    manager.stationary = stationary  # as after the warm-up when nothing can move: no backward hooks
+    with hooks.saved_tensors():
+        out = model(torch.randn(4, 8).bfloat16())
+    loss = out.float().pow(2).sum()
+    loss.backward(inputs=list(model[1].parameters()), retain_graph=True)  # layer 1's gradients replace its weights
+    assert manager.record_of(model[1].weight).grad_in_param_slot
+    # the second backward runs through layer 1 again: it must not read the gradient as the weight
+    with pytest.raises(RuntimeError, match="hold_after_bwd -> compute|modified by an inplace operation"):
+        loss.backward(inputs=list(model[0].parameters()))
