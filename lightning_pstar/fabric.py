@@ -18,7 +18,7 @@ micro-batch (a teacher's output before the backward) is part of it, as in a Trai
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -326,8 +326,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
             self._in_forward = False
 
     def _refuse_stale_clipping(self, what: str) -> None:
-        for opt in self._optimizers:
-            policy = opt.gradient_policy
+        for policy in (opt.gradient_policy for opt in self._optimizers):
             if policy.clip_norm is not None or policy.clip_value is not None:
                 raise RuntimeError(
                     f"`fabric.clip_gradients(...)` was called and {what} before"
@@ -341,13 +340,15 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         manager = self._require_manager()
         self._refuse_stale_clipping("a new backward started")  # the norm clip_gradients returned would be stale
         manager.begin_backward()  # every rank is here: collectives may start
-        try:
-            with out_of_memory_as_error(manager):
+        with out_of_memory_as_error(manager):
+            try:
                 self.precision.pre_backward(tensor, module)
                 self.precision.backward(tensor, module, *args, **kwargs)
                 self.precision.post_backward(tensor, module)
-        finally:  # a backward that raised: what arrived lands ([Note: gradients land per family])
-            manager.grads.settle()
+            except BaseException:  # a backward that raised: what arrived lands ([Note: gradients land per family])
+                with suppress(Exception):  # the backward's own error is the one to see
+                    manager.grads.settle()
+                raise
         manager.finish_backward()
         self._batch_open = False
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -326,9 +326,11 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        finally:  # a backward that raised: what arrived lands ([Note: gradients land per family])
+        except BaseException:  # a backward that raised: what arrived lands ([Note: gradients land per family])
             if self._manager is not None:
-                self._manager.grads.settle()
+                with suppress(Exception):  # the backward's own error is the one to see
+                    self._manager.grads.settle()
+            raise
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:

@@ -53,6 +53,9 @@ class ParamRecord:
     """Mixed precision chunk reuse: the param slot holds the gradient, not the weight."""
     grad_in_grad_chunk: bool = False
     """The fp32 GRAD chunk holds the gradient (32-true) or the sum of earlier micro-batches."""
+    replaced_at: int = -1
+    """The parameter's version counter just before its gradient replaced the weight in the param slot (the bump
+    that follows is the engine's, not a write: [Note: gradients land per family] in ``grads.py``)."""
     waiting: bool = False
     """Its final gradient waits for the rest of its family's ([Note: gradients land per family] in ``grads.py``)."""
 

@@ -57,7 +57,10 @@ def _weights_replaced(records: Sequence[ParamRecord]) -> None:
     """The param slots of ``records`` hold gradients now (chunk reuse): bump the parameters' version counters, so
     that a tensor autograd saved of a weight and reads in a later backward (``retain_graph``, a second backward
     of the same graph) raises autograd's in-place error instead of reading a gradient as the weight."""
-    torch.autograd.graph.increment_version([r.param for r in records])
+    params = [r.param for r in records]
+    for record, param in zip(records, params, strict=True):
+        record.replaced_at = param._version  # a weight saved by reference still reads its master (hooks.py)
+    torch.autograd.graph.increment_version(params)
 
 
 class GradStore:
@@ -145,14 +148,32 @@ class GradStore:
 
     def settle(self) -> None:
         """Land every gradient still waiting ([Note: gradients land per family]): before anything reads them."""
-        if self._waiting:
-            with torch.no_grad():
-                for fid in list(self._waiting):
+        if not self._waiting:
+            return
+        failed: BaseException | None = None
+        with torch.no_grad():
+            for fid in list(self._waiting):
+                try:
                     self._land(fid)
+                except Exception as error:  # the family is dropped; the others still land
+                    failed = failed or error
+        if failed is not None:
+            raise failed
 
     def _land(self, fid: int) -> None:
-        """Write the waiting final gradients of family ``fid`` into its chunks and mark their slots."""
-        waiting = self._waiting[fid]  # popped once written (a write that raises leaves it waiting)
+        """Write the waiting final gradients of family ``fid`` into its chunks and mark their slots (a write that
+        raises, out of memory for the GRAD chunk, drops them: the error is raised once, nothing is left half
+        written or waiting)."""
+        try:
+            self._write_family(fid)
+        except BaseException:
+            for record, _ in self._waiting.pop(fid, ()):
+                self._waiting_numel -= record.slot.numel
+                record.waiting = False
+            raise
+
+    def _write_family(self, fid: int) -> None:
+        waiting = self._waiting[fid]  # popped once written
         family = waiting[0][0].family
         if self.mixed:  # chunk reuse: the param slots take the gradients, the parameters read their masters
             chunks = family.chunks
@@ -224,9 +245,13 @@ class GradStore:
             room = residency.chunk_room()
             if tier is Tier.DEVICE and room is not None and residency.device_used() + chunk.nbytes > room:
                 tier = Tier.HOST
-            if tier is Tier.HOST:
-                residency.check_host_room(chunk.nbytes, chunk=chunk)
-            chunk.allocate(tier)
+            try:
+                if tier is Tier.HOST:
+                    residency.check_host_room(chunk.nbytes, chunk=chunk)
+                chunk.allocate(tier)
+            except BaseException:
+                del family.chunks[ChunkKind.GRAD]  # no chunk without storage is left for a later reader
+                raise
         return chunk
 
     def _copy_in(self, chunk: Chunk, slot: Slot, grad: torch.Tensor, *, add: bool) -> None:

@@ -144,6 +144,8 @@ def check_transition(current: TensorState, new: TensorState, *, what: str) -> No
         if current is TensorState.HOLD_AFTER_BWD and new is TensorState.COMPUTE:
             hint = (
                 " The slot holds this step's gradient, not the weight. HINT: do not run the model between"
-                " backward and the optimizer step (read weights in callbacks after `optimizer_step`)."
+                " backward and the optimizer step (read weights in callbacks after `optimizer_step`), nor a second"
+                " backward through a graph kept with `retain_graph=True` once the first gave this weight its"
+                " gradient."
             )
         raise InvalidTransitionError(f"Invalid state transition {current.value} -> {new.value} for {what}.{hint}")

@@ -285,7 +285,7 @@ class MemoryTracer:
         if self.recording and self._pending is not None:
             kind, key, _ = self._pending
             where = "warm-up"
-        elif self.untraced and self.cursor < 0:
+        elif self.untraced:
             return "a training micro-batch after the warm-up (no chunk moves in it, so its modules are not traced)"
         elif self.warmed_up and self.matches and 0 <= self.cursor < len(self.trace.moments):
             moment = self.trace.moments[self.cursor]

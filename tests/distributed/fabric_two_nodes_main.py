@@ -38,6 +38,10 @@ def main(out_dir: str, num_nodes: int, devices: int) -> None:
         "norms": result.grad_norms,
     }
     Path(out_dir, f"rank{fabric.global_rank}.json").write_text(json.dumps(record))
+    # both ranks done, then the process group goes before the interpreter exits: a gloo group torn down by the
+    # exit itself can abort one rank ("terminate called without an active exception") after its work is done
+    fabric.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_pstar.config import PStarConfig
@@ -214,3 +215,69 @@ def test_the_strategy_lands_the_gradients_of_a_backward_that_raised() -> None:
     # the last three layers' gradients arrived before the error: all of their families landed
     arrived = {manager.record_of(p).family.family_id for p in module.model.net[3:].parameters()}
     assert arrived <= set(landed)
+
+
+class _OutsideUse(nn.Module):
+    """``a.weight`` used again outside its module (saved by reference, [Note: saved weights] in hooks.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.h = torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.h = self.a(x)
+        return self.b(F.linear(self.h, self.a.weight))
+
+
+def test_a_weight_saved_by_reference_reads_its_master_after_its_gradient_landed() -> None:
+    x = torch.randn(4, 8)
+    reference = _OutsideUse().bfloat16()
+    loss = reference(x.bfloat16()).float().pow(2).sum()
+    loss.backward(inputs=[reference.a.weight], retain_graph=True)
+    (expected,) = torch.autograd.grad(loss, reference.h)
+    model = _OutsideUse()
+    manager, hooks = _setup(model, torch.bfloat16)
+    with hooks.saved_tensors():
+        out = model(x.bfloat16())
+    loss = out.float().pow(2).sum()
+    loss.backward(inputs=[model.a.weight], retain_graph=True)
+    assert manager.record_of(model.a.weight).grad_in_param_slot  # its gradient replaced the weight in the slot
+    # a second backward reads the saved a.weight (no second gradient for it): the weight, from the fp32 master
+    (got,) = torch.autograd.grad(loss, model.h)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_landing_that_runs_out_of_memory_raises_that_error_and_leaves_nothing_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_pstar.runtime.chunk import Chunk
+
+    model = _mlp()
+    manager, hooks = _setup(model, torch.float32)
+    real = Chunk.allocate
+
+    def allocate(self: Chunk, tier: Any, **kwargs: Any) -> None:
+        if self.kind is ChunkKind.GRAD:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        real(self, tier, **kwargs)
+
+    for family in manager.families:  # no GRAD chunk yet: the landing allocates one
+        family.chunks.pop(ChunkKind.GRAD, None)
+    monkeypatch.setattr(Chunk, "allocate", allocate)
+    with hooks.saved_tensors():
+        out = model(torch.randn(4, 8))
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        try:
+            out.pow(2).mean().backward()
+        except BaseException:
+            manager.grads.settle()  # as the strategy's backward does; it must not mask the error
+            raise
+    assert not manager.grads._waiting and not any(r.waiting for r in manager.records)
+    assert all(ChunkKind.GRAD not in f.chunks for f in manager.families)  # none left without storage
+    monkeypatch.setattr(Chunk, "allocate", real)
+    manager.finish_backward()
+    manager.discard_grads()  # a caller that caught the error carries on
+    assert all(r.slot.state is TensorState.HOLD and not r.has_grad for r in manager.records)
