@@ -24,17 +24,20 @@ not all receive a gradient). Nothing outlives the backward: the first gradient t
 autograd's running backward (``queue_callback``, as DDP's reducer finishes its buckets), which lands the rest
 when that backward returns, however it was called (``loss.backward()``, ``manual_backward``, a reentrant
 checkpoint's inner backward). A backward that raises runs no callback: the strategy's and Fabric's ``backward``
-land what arrived in a ``finally``, and every reader of gradients (the step, the gradient norm, ``zero_grad``,
-the next micro-batch) lands what still waits first (:meth:`GradStore.settle`). The state check runs when the
-gradient arrives, before anything is kept, so a gradient the table refuses raises as before; a waiting
-parameter keeps its weight in the slot (and is read from it) until its gradient lands. When a gradient replaces
-a weight in its slot (chunk reuse) the parameter's version counter is bumped: a tensor autograd saved of that
-weight and reads again (a second backward of a retained graph) raises autograd's in-place error.
+land what arrived when it raised (their own error is the one raised), and every reader of gradients (the step,
+the gradient norm, ``zero_grad``, the next micro-batch) lands what still waits first (:meth:`GradStore.settle`).
+The state check runs when the gradient arrives, before anything is kept, so a gradient the table refuses raises
+as before; a waiting parameter keeps its weight in the slot (and is read from it) until its gradient lands.
+When a gradient replaces a weight in its slot (chunk reuse) the parameter's version counter is bumped (its
+``replaced_at`` keeps the version before): a view of the slot autograd saved and reads again (a second backward
+of a retained graph) raises autograd's in-place error, while a weight saved by reference (``hooks.py``) accepts
+exactly that bump and reads its fp32 master.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import suppress
 
 import torch
 from torch.autograd import Variable
@@ -55,8 +58,9 @@ _graph_task = torch._C._current_graph_task_id  # -1 outside a backward; each bac
 
 def _weights_replaced(records: Sequence[ParamRecord]) -> None:
     """The param slots of ``records`` hold gradients now (chunk reuse): bump the parameters' version counters, so
-    that a tensor autograd saved of a weight and reads in a later backward (``retain_graph``, a second backward
-    of the same graph) raises autograd's in-place error instead of reading a gradient as the weight."""
+    that a view of the slot autograd saved and reads in a later backward (``retain_graph``, a second backward of
+    the same graph) raises autograd's in-place error instead of reading a gradient as the weight ([Note:
+    gradients land per family])."""
     params = [r.param for r in records]
     for record, param in zip(records, params, strict=True):
         record.replaced_at = param._version  # a weight saved by reference still reads its master (hooks.py)
@@ -161,16 +165,31 @@ class GradStore:
             raise failed
 
     def _land(self, fid: int) -> None:
-        """Write the waiting final gradients of family ``fid`` into its chunks and mark their slots (a write that
-        raises, out of memory for the GRAD chunk, drops them: the error is raised once, nothing is left half
-        written or waiting)."""
+        """Write the waiting final gradients of family ``fid`` into its chunks and mark their slots. A write that
+        raises (no memory for the GRAD chunk, the host budget, an interrupt) drops them, as gradients of a failed
+        backward, and raises once: the slots of mixed precision get their weights back from the masters, nothing
+        is left waiting."""
         try:
             self._write_family(fid)
         except BaseException:
-            for record, _ in self._waiting.pop(fid, ()):
+            dropped = [record for record, _ in self._waiting.pop(fid, ())]
+            for record in dropped:
                 self._waiting_numel -= record.slot.numel
                 record.waiting = False
+            if self.mixed and dropped:
+                with suppress(Exception), torch.no_grad():  # the write's own error is the one to see
+                    self._restore_weights(dropped)
             raise
+
+    def _restore_weights(self, records: list[ParamRecord]) -> None:
+        """The param slots of ``records`` (one family) get their weights back from the fp32 masters."""
+        chunks = records[0].family.chunks
+        master = chunks.get(_MASTER)
+        if master is None:
+            return
+        for record in records:
+            chunks[_PARAM].slot_view(record.slot).copy_(master.slot_view(record.slot))
+            self.weight_to_param_slot(record)
 
     def _write_family(self, fid: int) -> None:
         waiting = self._waiting[fid]  # popped once written

@@ -289,8 +289,8 @@ class ModelHooks:
         manager = self.manager
         record = packed.record
         now = record.param._version
-        replaced = record.grad_in_param_slot and packed.version == record.replaced_at and now == packed.version + 1
-        if now != packed.version and not replaced:  # the engine's own bump is no write: the master is read below
+        replaced = packed.version == record.replaced_at and now == packed.version + 1  # the engine's bump, no write
+        if now != packed.version and not replaced:  # (an optimizer step since: the weights_version check below)
             raise _modified_in_place(record.param, packed.version, now)
         if packed.weights_version != manager.weights_version:
             raise RuntimeError(

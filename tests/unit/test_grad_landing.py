@@ -281,3 +281,27 @@ def test_a_landing_that_runs_out_of_memory_raises_that_error_and_leaves_nothing_
     manager.finish_backward()
     manager.discard_grads()  # a caller that caught the error carries on
     assert all(r.slot.state is TensorState.HOLD and not r.has_grad for r in manager.records)
+
+
+def test_a_mixed_precision_landing_that_fails_midway_gives_the_slots_their_weights_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _mlp()
+    manager, hooks = _setup(model, torch.bfloat16)
+    weights = {r.names[0]: r.family.param_chunk.slot_view(r.slot).clone() for r in manager.records}
+
+    def half_then_fail(self: GradStore, chunk: Any, pairs: Any, *, add: bool) -> None:
+        record, grad = pairs[0]
+        chunk.slot_view(record.slot).copy_(grad)  # one gradient over its weight, then the interrupt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(GradStore, "_write", half_then_fail)
+    with hooks.saved_tensors():
+        out = model(torch.randn(4, 8).bfloat16())
+    with pytest.raises(KeyboardInterrupt):
+        out.float().pow(2).mean().backward()
+    assert not manager.grads._waiting and not any(r.waiting for r in manager.records)
+    for record in manager.records:  # every weight intact, and the parameter reads it from its slot
+        assert not record.grad_in_param_slot, record.names
+        assert torch.equal(record.family.param_chunk.slot_view(record.slot), weights[record.names[0]]), record.names
+        assert torch.equal(record.param.detach(), weights[record.names[0]])
