@@ -18,7 +18,7 @@ micro-batch (a teacher's output before the backward) is part of it, as in a Trai
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -340,15 +340,10 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         manager = self._require_manager()
         self._refuse_stale_clipping("a new backward started")  # the norm clip_gradients returned would be stale
         manager.begin_backward()  # every rank is here: collectives may start
-        with out_of_memory_as_error(manager):
-            try:
-                self.precision.pre_backward(tensor, module)
-                self.precision.backward(tensor, module, *args, **kwargs)
-                self.precision.post_backward(tensor, module)
-            except BaseException:  # a backward that raised: what arrived lands ([Note: gradients land per family])
-                with suppress(Exception):  # the backward's own error is the one to see
-                    manager.grads.settle()
-                raise
+        with out_of_memory_as_error(manager), manager.grads.landing_on_error():
+            self.precision.pre_backward(tensor, module)
+            self.precision.backward(tensor, module, *args, **kwargs)
+            self.precision.post_backward(tensor, module)
         manager.finish_backward()
         self._batch_open = False
 

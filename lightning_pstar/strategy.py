@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -324,13 +324,10 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        try:
+        if self._manager is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except BaseException:  # a backward that raised: what arrived lands ([Note: gradients land per family])
-            if self._manager is not None:
-                with suppress(Exception):  # the backward's own error is the one to see
-                    self._manager.grads.settle()
-            raise
+        with self._manager.grads.landing_on_error():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:

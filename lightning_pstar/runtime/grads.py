@@ -36,8 +36,8 @@ exactly that bump and reads its fp32 master.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import suppress
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager, suppress
 
 import torch
 from torch.autograd import Variable
@@ -45,7 +45,7 @@ from torch.autograd import Variable
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.residency import Residency
-from lightning_pstar.runtime.state import SOURCES_OF, GradLocation, MicroBatch, TensorState, Tier
+from lightning_pstar.runtime.state import SOURCES_OF, MicroBatch, TensorState, Tier
 
 __all__ = ["GradStore"]
 
@@ -97,25 +97,32 @@ class GradStore:
             for record in records:
                 if record.slot.state not in _TO_HOLD_AFTER_BWD:
                     record.set_state(_HOLD_AFTER_BWD)  # raises, before anything is written
-        family = records[0].family
         pairs = [(r, reduced[r.slot.offset : r.slot.offset + r.slot.numel].view(r.slot.shape)) for r in records]
-        if self.mixed and final and ChunkKind.GRAD not in family.chunks:
-            self._write(family.param_chunk, pairs, add=False)  # chunk reuse: 14 bytes/param
-            _weights_replaced(records)
-            for record in records:
-                self.grad_to_param_slot(record)
-        else:
-            chunk = self.grad_chunk(family)
-            fresh = [(r, g) for r, g in pairs if not r.grad_in_grad_chunk]
-            summed = [(r, g) for r, g in pairs if r.grad_in_grad_chunk]  # earlier micro-batches' sum
-            for part, add in ((fresh, False), (summed, True)):
-                if part:
-                    self._write(chunk, part, add=add)
-            for record in records:
-                record.grad_in_grad_chunk = True
+        family = records[0].family
+        self._write_final(family, pairs, reuse=self.mixed and final and ChunkKind.GRAD not in family.chunks)
         if final:
             for record in records:
                 record.slot.state = _HOLD_AFTER_BWD
+
+    def _write_final(self, family: ChunkFamily, pairs: list[tuple[ParamRecord, torch.Tensor]], *, reuse: bool) -> None:
+        """Write gradients of ``family``'s records: into their param slots with chunk ``reuse`` (the parameters then
+        read their fp32 masters, and their version counters say the slot changed), else into the GRAD chunk
+        (added to an earlier backward's sum there)."""
+        if reuse:
+            self._write(family.param_chunk, pairs, add=False)  # chunk reuse: 14 bytes/param
+            records = [r for r, _ in pairs]
+            _weights_replaced(records)
+            for record in records:
+                self.grad_to_param_slot(record)
+            return
+        chunk = self.grad_chunk(family)
+        fresh = [(r, g) for r, g in pairs if not r.grad_in_grad_chunk]
+        summed = [(r, g) for r, g in pairs if r.grad_in_grad_chunk]  # an earlier backward's, not yet stepped
+        for part, add in ((fresh, False), (summed, True)):
+            if part:
+                self._write(chunk, part, add=add)
+        for record, _ in pairs:
+            record.grad_in_grad_chunk = True
 
     def store_local(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """One rank: take the gradient of ``record`` (a final one lands with its family's: [Note: gradients land
@@ -145,6 +152,17 @@ class GradStore:
             self.settle()  # outside a backward (nothing would land it), or too much waits
         elif len(waiting) >= self._expected[fid]:
             self._land(fid)
+
+    @contextmanager
+    def landing_on_error(self) -> Generator[None, None, None]:
+        """Around a backward: if it raises (no callback runs then), what arrived lands, and the backward's own error
+        is the one raised ([Note: gradients land per family])."""
+        try:
+            yield
+        except BaseException:
+            with suppress(Exception):
+                self.settle()
+            raise
 
     def _at_backward_end(self) -> None:
         with torch.no_grad():
@@ -176,43 +194,21 @@ class GradStore:
             for record in dropped:
                 self._waiting_numel -= record.slot.numel
                 record.waiting = False
-            if self.mixed and dropped:
+            if self.mixed:
                 with suppress(Exception), torch.no_grad():  # the write's own error is the one to see
-                    self._restore_weights(dropped)
+                    for record in dropped:
+                        self._weight_back(record)
             raise
 
-    def _restore_weights(self, records: list[ParamRecord]) -> None:
-        """The param slots of ``records`` (one family) get their weights back from the fp32 masters."""
-        chunks = records[0].family.chunks
-        master = chunks.get(_MASTER)
-        if master is None:
-            return
-        for record in records:
-            chunks[_PARAM].slot_view(record.slot).copy_(master.slot_view(record.slot))
-            self.weight_to_param_slot(record)
+    def _weight_back(self, record: ParamRecord) -> None:
+        """The param slot gets its weight back from the fp32 master; the parameter points at the slot again."""
+        chunks = record.family.chunks
+        chunks[_PARAM].slot_view(record.slot).copy_(chunks[_MASTER].slot_view(record.slot))
+        self.weight_to_param_slot(record)
 
     def _write_family(self, fid: int) -> None:
         waiting = self._waiting[fid]  # popped once written
-        family = waiting[0][0].family
-        if self.mixed:  # chunk reuse: the param slots take the gradients, the parameters read their masters
-            chunks = family.chunks
-            chunk = chunks[_PARAM]
-            self._write(chunk, waiting, add=False)
-            _weights_replaced([r for r, _ in waiting])
-            master = chunks.get(_MASTER, chunk)
-            for record, _ in waiting:
-                if not record.grad_in_param_slot:  # as Residency.point_at_chunk
-                    record.grad_in_param_slot = True
-                    record.param.data = master.buffer_view(record.slot)
-        else:
-            chunk = self.grad_chunk(family)
-            fresh = [(r, g) for r, g in waiting if not r.grad_in_grad_chunk]
-            summed = [(r, g) for r, g in waiting if r.grad_in_grad_chunk]  # an earlier backward's, not yet stepped
-            for pairs, add in ((fresh, False), (summed, True)):
-                if pairs:
-                    self._write(chunk, pairs, add=add)
-            for record, _ in waiting:
-                record.grad_in_grad_chunk = True
+        self._write_final(waiting[0][0].family, waiting, reuse=self.mixed)  # one rank: the final micro-batch reuses
         del self._waiting[fid]
         for record, _ in waiting:
             self._waiting_numel -= record.slot.numel
@@ -242,14 +238,6 @@ class GradStore:
         """The param slot holds the weight again (written by the optimizer or a load): the parameter points at it."""
         if record.grad_in_param_slot:
             record.grad_in_param_slot = False
-            self.residency.point_at_chunk(record)
-
-    def set_location(self, record: ParamRecord, location: GradLocation) -> None:
-        """Say where ``record``'s gradient lives; the parameter follows its weight (the fp32 master while its
-        param slot holds the gradient, the param slot again afterwards)."""
-        moved = (GradLocation.PARAM_SLOT in location) != record.grad_in_param_slot
-        record.grad = location
-        if moved:
             self.residency.point_at_chunk(record)
 
     def grad_chunk(self, family: ChunkFamily) -> Chunk:
@@ -301,8 +289,8 @@ class GradStore:
                         family.param_chunk.slot_view(slot).float(),
                         add=record.grad_in_grad_chunk,
                     )
-                    family.param_chunk.slot_view(slot).copy_(family.chunks[ChunkKind.MASTER].slot_view(slot))
-                self.set_location(record, GradLocation.GRAD_CHUNK)
+                    self._weight_back(record)
+                record.grad_in_grad_chunk = True
             record.set_state(TensorState.HOLD)
 
     def discard(self, records: Sequence[ParamRecord]) -> None:
@@ -312,11 +300,7 @@ class GradStore:
         with torch.no_grad():
             for record in records:
                 if record.grad_in_param_slot:
-                    family = record.family
-                    family.param_chunk.slot_view(record.slot).copy_(
-                        family.chunks[ChunkKind.MASTER].slot_view(record.slot)
-                    )
-                    self.weight_to_param_slot(record)
+                    self._weight_back(record)
                 record.grad_in_grad_chunk = False
                 if record.slot.state is _HOLD_AFTER_BWD:
                     record.set_state(TensorState.HOLD)

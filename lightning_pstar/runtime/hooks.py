@@ -66,12 +66,11 @@ _graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outs
 
 
 def _traced(name: str, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` inside a ``pstar::`` profiler range while a profiler records (a range costs two dispatcher
-    calls even without one, and these run for every module and parameter of every step)."""
-    if _profiling():
-        with torch.profiler.record_function(name):
-            return fn(*args)
-    return fn(*args)
+    """``fn(*args)`` inside a ``pstar::`` profiler range. Callers check ``_profiling()`` first and call ``fn``
+    directly when no profiler records (a range costs two dispatcher calls even without one, and these run for
+    every module and parameter of every step)."""
+    with torch.profiler.record_function(name):
+        return fn(*args)
 
 
 def _as_is(fn: Any) -> Any:
