@@ -4,7 +4,7 @@ Every option lives in one ``kw_only`` dataclass tree, nested by concern, so that
 structured configs and Hydra YAML files are validated by the same code::
 
     PStarConfig
-      chunks            ChunkConfig           size, cpu_embedding
+      chunks            ChunkConfig           size, cpu_embedding, bucket_bytes
       memory            MemoryConfig          device_limit, host_limit, device_fraction, host_fraction
       placement         PlacementConfig       policy, static_chunk_fraction, warmup_chunk_fraction
       mixed_precision   MixedPrecisionConfig  frozen_master, loss_scale (LossScaleConfig)
@@ -109,6 +109,10 @@ class ChunkConfig:
     """Keep ``nn.Embedding`` weights fp32 on the host, outside the chunks: the lookup runs on the host and
     only its output moves to the device. Frees the largest tensor from setting the chunk size. Embeddings
     tied to another module (an output head) stay in the chunks."""
+    bucket_bytes: int | str = "4MiB"
+    """Several ranks: consecutive chunk groups whose all-gather or reduce-scatter stays within this many bytes
+    share one collective, as DDP's gradient buckets do (each collective costs a fixed latency besides its
+    bytes); an int (bytes) or a string with a unit. 0 gives every chunk group collectives of its own."""
 
     def __post_init__(self) -> None:
         size = self.size
@@ -123,6 +127,13 @@ class ChunkConfig:
             )
         self.size = size
         _flag(self.cpu_embedding, name="chunks.cpu_embedding")
+        if self.bucket_bytes not in (0, "0"):  # 0: no buckets; anything else is a positive byte count
+            parse_bytes(self.bucket_bytes, name="chunks.bucket_bytes")
+
+    @property
+    def bucket_nbytes(self) -> int:
+        """``bucket_bytes`` in bytes (0: every chunk group collects alone)."""
+        return 0 if self.bucket_bytes in (0, "0") else parse_bytes(self.bucket_bytes, name="chunks.bucket_bytes")
 
     @property
     def elements(self) -> int | None:
@@ -332,6 +343,7 @@ class PStarOptions(TypedDict, total=False):
 
     chunk_size: int | str
     cpu_embedding: bool
+    bucket_bytes: int | str
     device_memory_limit: int | str | None
     host_memory_limit: int | str | None
     device_memory_fraction: float
@@ -347,6 +359,7 @@ class PStarOptions(TypedDict, total=False):
 FLAT_OPTIONS: Mapping[str, str] = {
     "chunk_size": "chunks.size",
     "cpu_embedding": "chunks.cpu_embedding",
+    "bucket_bytes": "chunks.bucket_bytes",
     "device_memory_limit": "memory.device_limit",
     "host_memory_limit": "memory.host_limit",
     "device_memory_fraction": "memory.device_fraction",

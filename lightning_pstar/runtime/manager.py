@@ -122,13 +122,9 @@ class ChunkManager:
             for records in self.table.module_records.values()
         ]
         self.sharding: Sharding = make_sharding(
-            self.table.families,
-            self.comm,
-            residency=self.residency,
-            grads=self.grads,
-            compute_dtype=compute_dtype,
-            module_groups=module_groups,
-        )
+            self.table.families, self.comm, residency=self.residency, grads=self.grads, compute_dtype=compute_dtype,
+            module_groups=module_groups, bucket_bytes=config.chunks.bucket_nbytes,
+        )  # fmt: skip
 
     # ---- planning -------------------------------------------------------------------------------------
     def _plan(

@@ -21,6 +21,13 @@ the prefetch decision) makes a group due one step after the latest such step on 
 backward when some rank never completed it (an expert it did not run, a tied embedding whose gradient is final
 last). A repeating iteration then reduces each group once and waits on nothing; one that changes (experts that
 vary per step) pays a second round for what arrived late, and nothing else.
+
+Buckets ([Note: buckets of chunk groups] in :mod:`~lightning_pstar.runtime.sharding`): consecutive groups of the
+backward's order whose reduce-scatter stays within ``bucket_bytes`` share one. Their buffers are views of one
+buffer per rank, allocated when the bucket's first gradient arrives; the bucket is due at the latest due step of
+its groups, and every group keeps its own tail (flags and counter) in it, so what the owners learn per group is
+what a reduction of the group alone tells them. A second round is one group's alone. The buckets follow from the
+backward's order and the layout, the same on every rank.
 """
 
 from __future__ import annotations
@@ -43,9 +50,9 @@ __all__ = ["GroupReducer"]
 class _Round:
     """One reduce-scatter of a group in flight (or done, not yet stored)."""
 
-    group: int
+    groups: tuple[int, ...]  # one group, or a bucket of them
     work: Any  # the collective's handle (None with a fake or one rank)
-    output: torch.Tensor
+    outputs: list[torch.Tensor]  # per group: its own family's gradients and tail (views of one buffer)
     inputs: list[torch.Tensor]  # kept alive until the work is done
     final: bool  # no second round can follow (the end of the backward)
 
@@ -60,6 +67,7 @@ class GroupReducer:
         comm: ChunkComm,
         grads: GradStore,
         device: torch.device,
+        bucket_bytes: int = 0,
     ) -> None:
         self.members = members
         self.num_groups = num_groups
@@ -70,6 +78,9 @@ class GroupReducer:
         self.world_size = comm.world_size
         self.local_grads: dict[int, torch.Tensor] = {}  # family -> fp32 local gradients and tail
         self.local_slots: dict[int, set[int]] = {}  # family -> records with a local gradient in the buffer
+        self.bucket_bytes = bucket_bytes
+        self.bucket: dict[int, tuple[int, ...]] = {}  # group -> the bucket it is reduced in (this backward)
+        self.packed: dict[tuple[int, ...], list[torch.Tensor]] = {}  # bucket -> its buffer per rank
         self.waiting: dict[int, int] = {}  # group -> trainable slots still without a local gradient
         self.reduced: set[int] = set()  # groups whose (first) round started in this backward
         self.received: set[int] = set()  # records with a local gradient in this backward (sent or not)
@@ -103,6 +114,41 @@ class GroupReducer:
         self.received = set()
         self.local_grads.clear()  # nothing of an earlier backward is left (finish() sent it all)
         self.local_slots.clear()
+        self.packed.clear()
+        self.bucket = {}
+        bucket: list[int] = []
+        size = 0
+        for group in (g for g in order if g in self.waiting):
+            nbytes = self._bytes(group)
+            if bucket and size + nbytes > self.bucket_bytes:
+                self.bucket.update(dict.fromkeys(bucket, tuple(bucket)))
+                bucket, size = [], 0
+            bucket.append(group)
+            size += nbytes
+        self.bucket.update(dict.fromkeys(bucket, tuple(bucket)))
+
+    def _bytes(self, group: int) -> int:
+        """Bytes one rank sends to the group's reduce-scatter (fp32 gradients and tails of every member)."""
+        return sum(f.capacity + self._tail(group) for f in self.members(group)) * 4
+
+    def _allocate(self, group: int) -> None:
+        """The local gradient buffers of ``group``'s bucket (of its family alone for a second round): zeros."""
+        bucket = self.bucket.get(group, (group,)) if group not in self.reduced else (group,)
+        if len(bucket) == 1:
+            for family in self.members(group):
+                if family.family_id not in self.local_grads:
+                    self.local_grads[family.family_id] = self._zeros(family.capacity + self._tail(group))
+            return
+        width = self.world_size
+        sizes = [f.capacity + self._tail(g) for g in bucket for f in self.members(g)]
+        packed = [self._zeros(sum(sizes[r::width])) for r in range(width)]
+        parts = [buf.split(sizes[r::width]) for r, buf in enumerate(packed)]
+        for i, family in enumerate(f for g in bucket for f in self.members(g)):
+            self.local_grads[family.family_id] = parts[i % width][i // width]
+        self.packed[bucket] = packed
+
+    def _zeros(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32, device=self.device)
 
     def due_step(self, group: int) -> int:
         if self.due is not None:
@@ -115,8 +161,8 @@ class GroupReducer:
         group = family.family_id // self.world_size
         buf = self.local_grads.get(family.family_id)
         if buf is None:
-            buf = torch.zeros(family.capacity + self._tail(group), dtype=torch.float32, device=self.device)
-            self.local_grads[family.family_id] = buf
+            self._allocate(group)
+            buf = self.local_grads[family.family_id]
         slot = record.slot
         view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
         slots = self.local_slots.setdefault(family.family_id, set())
@@ -142,48 +188,58 @@ class GroupReducer:
     def step(self, index: int) -> None:
         """Backward sweep step ``index`` (every rank is here): store finished rounds, start the groups due now."""
         self.store(block=False)
-        due = [g for g in self.waiting if g not in self.reduced and self.due_step(g) <= index]
-        for group in sorted(due, key=lambda g: (self.due_step(g), g)):
-            self.reduce(group, final=False)
+        due = {self.bucket[g] for g in self.waiting if g not in self.reduced}
+        due = {b for b in due if self._due(b) <= index}
+        for bucket in sorted(due, key=lambda b: (self._due(b), b)):
+            self.reduce(bucket, final=False)
+
+    def _due(self, bucket: tuple[int, ...]) -> int:
+        return max(self.due_step(g) for g in bucket)
 
     def finish(self) -> None:
         """The end of the backward: every group not reduced yet gets its (only) round, then the groups some rank
         was incomplete for get their second, and every result is stored. (Only rounds started here are final:
         the sweep's catch-up before it is a module's sweep step on a rank that ran the module, so a round there
         asks for a second one as any other, or the ranks would disagree on it.)"""
-        for group in sorted(self.waiting):
-            if group not in self.reduced:
-                self.reduce(group, final=True)
+        for bucket in sorted({self.bucket[g] for g in self.waiting if g not in self.reduced}):
+            self.reduce(bucket, final=True)
         self.store(block=True)
         for group in sorted(self.late):
-            self.reduce(group, final=True)
+            self.reduce((group,), final=True)
             self.second_rounds += 1
         self.late.clear()
         self.store(block=True)
 
-    def reduce(self, group: int, *, final: bool) -> None:
-        """Start reduce-scattering the group's local gradients (summed) to their owners, with the tail."""
-        members = self.members(group)
-        tail = self._tail(group)
-        incomplete = 0.0 if final or self.waiting.get(group, 0) == 0 else 1.0
-        inputs: list[torch.Tensor] = []
-        for family in members:
-            buf = self.local_grads.pop(family.family_id, None)
-            if buf is None:
-                buf = torch.zeros(family.capacity + tail, dtype=torch.float32, device=self.device)
-            got = self.local_slots.pop(family.family_id, set())
-            flags = [1.0 if r.index in got else 0.0 for r in family.records]
-            flags += [0.0] * (tail - 1 - len(flags))
-            flags.append(incomplete)
-            buf[family.capacity :].copy_(torch.tensor(flags, dtype=torch.float32))
-            inputs.append(buf)
-        own = members[self.rank]
-        output = torch.empty(own.capacity + tail, dtype=torch.float32, device=self.device)
+    def reduce(self, groups: tuple[int, ...], *, final: bool) -> None:
+        """Start reduce-scattering the local gradients (summed) of ``groups`` (one group, or a bucket) to their
+        owners, every group with its tail."""
+        packed = self.packed.pop(groups, None)
+        if packed is None and len(groups) > 1:  # a bucket no gradient arrived for: zeros
+            self._allocate(groups[0])
+            packed = self.packed.pop(groups)
+        own = [self.members(g)[self.rank] for g in groups]
+        singles: list[torch.Tensor] = []  # one group: the members' buffers, in rank order
+        for group in groups:
+            tail = self._tail(group)
+            incomplete = 0.0 if final or self.waiting.get(group, 0) == 0 else 1.0
+            for family in self.members(group):
+                buf = self.local_grads.pop(family.family_id, None)
+                if buf is None:  # a second round's member without a late gradient here: zeros
+                    buf = self._zeros(family.capacity + tail)
+                got = self.local_slots.pop(family.family_id, set())
+                flags = [1.0 if r.index in got else 0.0 for r in family.records]
+                flags += [0.0] * (tail - 1 - len(flags))
+                flags.append(incomplete)
+                buf[family.capacity :].copy_(torch.tensor(flags, dtype=torch.float32))
+                singles.append(buf)
+        inputs = packed if packed is not None else singles
+        sizes = [f.capacity + self._tail(g) for f, g in zip(own, groups, strict=True)]
+        output = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
         with profiled("pstar::reduce_scatter"):
             work = self.comm.start_reduce_scatter(inputs, output)
         self.reductions += 1
-        self.rounds.append(_Round(group, work, output, inputs, final))
-        self.reduced.add(group)
+        self.rounds.append(_Round(groups, work, list(output.split(sizes)), inputs, final))
+        self.reduced.update(groups)
 
     def store(self, *, block: bool) -> None:
         """Average finished rounds into the owners' chunks, oldest first (all of them if ``block``); a first round
@@ -195,15 +251,15 @@ class GroupReducer:
                     return
                 done.work.wait()
             self.rounds.pop(0)
-            output = done.output
-            earlier = self.partial.pop(done.group, None)
-            if earlier is not None:
-                output.add_(earlier)
-            elif not done.final and output[-1].item() > 0:
-                self.partial[done.group] = output  # some rank still waited: the second round adds the rest
-                self.late.add(done.group)
-                continue
-            self._store_owned(done.group, output)
+            for group, output in zip(done.groups, done.outputs, strict=True):
+                earlier = self.partial.pop(group, None)
+                if earlier is not None:
+                    output.add_(earlier)
+                elif not done.final and output[-1].item() > 0:
+                    self.partial[group] = output  # some rank still waited: the second round adds the rest
+                    self.late.add(group)
+                    continue
+                self._store_owned(group, output)
 
     def _store_owned(self, group: int, output: torch.Tensor) -> None:
         own = self.members(group)[self.rank]
@@ -218,6 +274,7 @@ class GroupReducer:
         self.late.clear()
         self.local_grads.clear()
         self.local_slots.clear()
+        self.packed.clear()
         self.waiting.clear()
         self.reduced.clear()
         self.received.clear()

@@ -43,7 +43,23 @@ point every rank reaches, in an order every rank computes the same way:
   group is released once the backward sweep has passed it, and at the end of the pass;
 - the next group of the sweep is all-gathered asynchronously while the current one computes
   (``prefetch``): the decision depends only on the sweep, and whether prefetching fits the device budget
-  is agreed once by all ranks after the warm-up iteration.
+  is agreed once by all ranks after the warm-up iteration;
+- small groups share collectives ([Note: buckets of chunk groups]).
+
+[Note: buckets of chunk groups]
+A collective costs a fixed latency (a millisecond over gloo on a loaded CPU, tens of microseconds over NCCL)
+on top of its bytes, so a model of many small groups pays mostly latency. Consecutive groups of a sweep whose
+collective stays within ``bucket_bytes`` share one, as DDP's gradient buckets do:
+
+- all-gather: when a forward gathers a group, the groups that follow it in the sweep and stay gathered into
+  the backward anyway (``keeping``) come with it, each rank's chunks packed into one buffer per rank. The
+  plan let every kept group be present at the warm-up's peak, so gathering them early needs no room it did
+  not count; what decides the bucket (the sweep, what is gathered or in flight ahead of the cursor, the
+  agreed ``keep``) is the same on every rank. A group gathered ahead is entered in ``forward_gathers`` when
+  the sweep reaches it, so the backward's order is the one it would be without buckets;
+- reduce-scatter: the reducer's buckets ([Note: the agreement in the reduction's buffer]).
+
+Groups larger than ``bucket_bytes`` (a large model's) each keep their own collective, as before.
 """
 
 from __future__ import annotations
@@ -51,6 +67,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -64,9 +81,13 @@ from lightning_pstar.runtime.reduction import GroupReducer
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import TensorState, Tier
 
-__all__ = ["GroupCoordinator", "LocalSharding", "Sharding", "Sweep", "make_sharding"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "GroupCoordinator", "LocalSharding", "Sharding", "Sweep", "make_sharding"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 4 * 2**20
+"""Consecutive chunk groups share a collective up to this many bytes ([Note: buckets of chunk groups]): about
+where a collective's bytes start to cost more than its latency, over NCCL and over gloo alike."""
 
 
 class Sweep(str, Enum):
@@ -78,6 +99,15 @@ class Sweep(str, Enum):
     """A forward pass sweeps the groups in ascending order."""
     BACKWARD = "backward"
     """The backward sweeps them in the reverse order of the forward's gathers and reduces gradients."""
+
+
+@dataclass(eq=False)
+class _Gather:
+    """One all-gather in flight: of one group into its chunks, or of a bucket of groups packed per rank."""
+
+    groups: list[int]  # in sweep order; the first is the one gathered for use, the others ride along
+    work: Any  # the collective's handle (None with a fake)
+    packed: list[torch.Tensor] | None  # a bucket: one buffer per rank, this rank's chunks copied into its own
 
 
 class GroupCoordinator:
@@ -94,6 +124,7 @@ class GroupCoordinator:
         grads: GradStore,
         compute_dtype: torch.dtype,
         module_groups: Sequence[Iterable[int]] = (),
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.families = families
         self.residency = residency
@@ -104,7 +135,9 @@ class GroupCoordinator:
         self.world_size = comm.world_size
         self.rank = comm.rank
         self.gathered: set[int] = set()  # groups whose remote param chunks are present locally
-        self.inflight: dict[int, Any] = {}  # group -> work of an asynchronous gather (prefetch)
+        self.inflight: dict[int, _Gather] = {}  # group -> the asynchronous gather it is part of (prefetch)
+        self.bucket_bytes = bucket_bytes  # [Note: buckets of chunk groups]
+        self.ahead: set[int] = set()  # groups a bucket gathered that the forward sweep has not reached yet
         self.pinned = residency.pinned  # families whose param chunk is the send buffer of an in-flight gather
         self.prefetch_enabled = False  # agreed by every rank after the warm-up (plan)
         # the sweep (see the note above)
@@ -116,7 +149,7 @@ class GroupCoordinator:
         self.keep: frozenset[int] = frozenset()  # groups a forward keeps gathered for its backward (plan)
         self.keeping: frozenset[int] = frozenset()  # ... in the current pass (none in an evaluation pass)
         self.parked: set[int] = set()  # kept groups the forward would have released: present, "released" for the order
-        self.reducer = GroupReducer(self.members, self.num_groups(), comm, grads, self.device)
+        self.reducer = GroupReducer(self.members, self.num_groups(), comm, grads, self.device, bucket_bytes)
         self._poison: dict[torch.Size, torch.Tensor] = {}  # NaN views by shape, in the compute dtype
         self.forward_order, self.module_position = sweep_plan(module_groups, len(families) // self.world_size)
         # counters (memory report, tests)
@@ -232,43 +265,93 @@ class GroupCoordinator:
             group = self.order[self.cursor]
             if group not in self.gathered:
                 self._gather(group, protect)
+            elif group in self.ahead:  # a bucket gathered it: the forward's gathers list it now, in sweep order
+                self.ahead.discard(group)
+                self.forward_gathers.append(group)
             if self.sweep is Sweep.BACKWARD:
                 self.reducer.step(self.cursor)
 
-    def _start_gather(self, group: int, protect: set[int]) -> Any:
+    def _bucket(self, group: int) -> list[int]:
+        """``group`` and the kept groups right after it in a forward sweep that share its all-gather ([Note:
+        buckets of chunk groups]); decided from what every rank has the same."""
+        start = self.position.get(group, -1)
+        if self.sweep is not Sweep.FORWARD or not self.keeping or start <= self.cursor:
+            return [group]  # a backward's gathers and an out-of-order one (a tied head) go alone
+        bucket, size = [group], self._gather_bytes(group)
+        for later in self.order[start + 1 :]:
+            size += self._gather_bytes(later)
+            if (
+                later not in self.keeping
+                or later in self.gathered
+                or later in self.inflight
+                or size > self.bucket_bytes
+            ):
+                break
+            bucket.append(later)
+        return bucket
+
+    def _gather_bytes(self, group: int) -> int:
+        return sum(f.param_chunk.nbytes for f in self.members(group))
+
+    def _start_gather(self, group: int, protect: set[int]) -> _Gather:
         residency = self.residency
-        members = self.members(group)
-        own = members[self.rank]
+        groups = self._bucket(group)
+        members = [f for g in groups for f in self.members(g)]
+        own = [f for f in members if self.owns(f)]
         guard = protect | self.pinned | {f.family_id for f in members}
-        residency.fetch(own, protect=guard)
+        for family in own:
+            residency.fetch(family, protect=guard)
         for family in members:
             chunk = family.param_chunk
-            if family is not own and chunk.tier is not Tier.DEVICE:
+            if not self.owns(family) and chunk.tier is not Tier.DEVICE:
                 residency.ensure_device_room(chunk.nbytes, protect=guard)
                 chunk.allocate(Tier.DEVICE, zero=False)
-        self.pinned.add(own.family_id)  # the send buffer stays in place until the gather is done
+        if len(groups) == 1:  # the chunks themselves are the buffers: the send buffer stays in place until done
+            self.pinned.add(own[0].family_id)
+            packed = None
+            buffers = [f.param_chunk.data for f in members]
+        else:  # a bucket: this rank's chunks packed into its buffer (a copy: nothing needs to stay in place)
+            send = torch.cat([f.param_chunk.data for f in own])
+            packed = buffers = [send if r == self.rank else torch.empty_like(send) for r in range(self.world_size)]
         with profiled("pstar::all_gather"):
-            work = self.comm.all_gather_chunks([f.param_chunk.data for f in members], self.rank)
+            work = self.comm.all_gather_chunks(buffers, self.rank)
         self.gathers += 1
-        return work
+        gather = _Gather(groups, work, packed)
+        for g in groups:
+            self.inflight[g] = gather
+        return gather
 
     def _gather(self, group: int, protect: set[int]) -> None:
-        work = self.inflight.pop(group, None) if group in self.inflight else self._start_gather(group, protect)
-        self._finish_gather(group, work)
+        gather = self.inflight.get(group)
+        self._finish_gather(gather if gather is not None else self._start_gather(group, protect))
 
-    def _finish_gather(self, group: int, work: Any) -> None:
-        if work is not None:
+    def _finish_gather(self, gather: _Gather) -> None:
+        if gather.work is not None:
             with profiled("pstar::all_gather_wait"):
-                work.wait()
-        members = self.members(group)
-        self.pinned.discard(members[self.rank].family_id)
-        for family in members:
-            if family is not members[self.rank]:
-                for record in family.records:
-                    self.residency.point_at_chunk(record)
-        self.gathered.add(group)
-        if self.sweep is not Sweep.BACKWARD:
-            self.forward_gathers.append(group)
+                gather.work.wait()
+        if gather.packed is not None:  # unpack every peer's part of the bucket into its chunks
+            width = self.world_size
+            chunks = [f.param_chunk.data for g in gather.groups for f in self.members(g)]
+            sizes = [c.numel() for c in chunks[self.rank :: width]]
+            parts = [buf.split(sizes) for buf in gather.packed]
+            targets = [c for i, c in enumerate(chunks) if i % width != self.rank]
+            sources = [parts[i % width][i // width] for i in range(len(chunks)) if i % width != self.rank]
+            torch._foreach_copy_(targets, sources)
+        for i, group in enumerate(gather.groups):
+            self.inflight.pop(group, None)
+            members = self.members(group)
+            self.pinned.discard(members[self.rank].family_id)
+            for family in members:
+                if family is not members[self.rank]:
+                    for record in family.records:
+                        self.residency.point_at_chunk(record)
+            self.gathered.add(group)
+            if self.sweep is Sweep.BACKWARD:
+                continue
+            if i == 0 or self.position.get(group, -1) <= self.cursor:
+                self.forward_gathers.append(group)
+            else:
+                self.ahead.add(group)  # listed when the sweep reaches it (_sweep_to)
 
     def _prefetch_next(self, protect: set[int]) -> None:
         """Start gathering the sweep's next group while the current one computes."""
@@ -277,7 +360,7 @@ class GroupCoordinator:
         group = self.order[self.cursor + 1]
         if group in self.gathered or group in self.inflight:
             return
-        self.inflight[group] = self._start_gather(group, protect)
+        self._start_gather(group, protect)
         self.prefetches += 1
 
     def plan(self, prefetch_fits: bool, keep_groups: int) -> bool:
@@ -328,10 +411,10 @@ class GroupCoordinator:
         self.gathered.discard(group)
 
     def release_all(self) -> None:
-        for group, work in sorted(self.inflight.items()):
-            self._finish_gather(group, work)  # never free a buffer a collective still writes
-        self.inflight.clear()
+        while self.inflight:  # never free a buffer a collective still writes
+            self._finish_gather(self.inflight[min(self.inflight)])
         self.parked.clear()
+        self.ahead.clear()
         for group in sorted(self.gathered):
             members = self.members(group)
             if not any(s.state is TensorState.COMPUTE for f in members for s in f.slots):
@@ -410,9 +493,16 @@ def make_sharding(
     grads: GradStore,
     compute_dtype: torch.dtype,
     module_groups: Sequence[Iterable[int]] = (),
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Sharding:
     if comm.world_size == 1:
         return LocalSharding(grads)
     return GroupCoordinator(
-        families, comm, residency=residency, grads=grads, compute_dtype=compute_dtype, module_groups=module_groups
+        families,
+        comm,
+        residency=residency,
+        grads=grads,
+        compute_dtype=compute_dtype,
+        module_groups=module_groups,
+        bucket_bytes=bucket_bytes,
     )

@@ -88,6 +88,7 @@ class Spec:
     out_dir: str
     strategy: str  # "ddp_spawn" or "patrickstar_spawn"
     chunk_size: int | None = None
+    bucket_bytes: int | None = None  # None: the default buckets
 
     def record(self, rank: int) -> Path:
         return Path(self.out_dir) / f"{self.tag}-rank{rank}.json"
@@ -145,6 +146,8 @@ class MoEModule(L.LightningModule):
         report = getattr(self.trainer.strategy, "memory_report", None)
         record = {
             "second_rounds": report().group_second_rounds if report is not None else None,
+            "reductions": report().group_reductions if report is not None else None,
+            "groups": report().num_chunks // self.trainer.world_size if report is not None else None,
             "rank": self.global_rank,
             "world_size": self.trainer.world_size,
             "global_step": self.trainer.global_step,
@@ -175,7 +178,9 @@ def fit_all(specs: list[Spec]) -> None:
         if spec.strategy == "ddp_spawn":
             strategy: Any = DDPStrategy(start_method="spawn", find_unused_parameters=True, timeout=COLLECTIVE_TIMEOUT)
         else:
-            options = {} if spec.chunk_size is None else {"chunk_size": spec.chunk_size}
+            options: dict[str, Any] = {} if spec.chunk_size is None else {"chunk_size": spec.chunk_size}
+            if spec.bucket_bytes is not None:
+                options["bucket_bytes"] = spec.bucket_bytes
             strategy = PatrickStarStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT, **options)
         trainer = L.Trainer(
             accelerator="cpu",
@@ -221,20 +226,31 @@ def ddp_records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 
 
 # 64-element chunks: every Linear weight of every expert in a chunk of its own, so a rank that skips an expert
-# skips the modules of chunk groups the other rank needs; the default size puts the whole model in one group
-@pytest.mark.parametrize("chunk_size", [None, 64], ids=["default-chunks", "expert-per-group"])
+# skips the modules of chunk groups the other rank needs; the default size puts the whole model in one group.
+# bucket_bytes=0 gives every group collectives of its own (the second rounds below); the default buckets share
+# them between the small groups ([Note: buckets of chunk groups])
+@pytest.mark.parametrize(
+    ("chunk_size", "bucket_bytes"),
+    [(None, None), (64, 0), (64, None)],
+    ids=["default-chunks", "expert-per-group", "expert-per-group-buckets"],
+)
 @pytest.mark.slow
 def test_experts_skipped_on_different_ranks(
-    chunk_size: int | None, ddp_records: list[dict[str, Any]], tmp_path: Path
+    chunk_size: int | None, bucket_bytes: int | None, ddp_records: list[dict[str, Any]], tmp_path: Path
 ) -> None:
-    got = Spec(tag="pstar", out_dir=str(tmp_path), strategy="patrickstar_spawn", chunk_size=chunk_size)
+    got = Spec(
+        tag="pstar", out_dir=str(tmp_path), strategy="patrickstar_spawn", chunk_size=chunk_size,
+        bucket_bytes=bucket_bytes,
+    )  # fmt: skip
     run_isolated(fit_all, [got], timeout=RUN_TIMEOUT_S)
 
     refs, gots = ddp_records, read(got)
-    if chunk_size == 64:
+    if chunk_size == 64 and bucket_bytes == 0:
         # the varying experts made some rank's gradients of a group come after the group's first round: the second
         # rounds ran, and the weights below match DDP's with them
         assert all(g["second_rounds"] > 0 for g in gots), [g["second_rounds"] for g in gots]
+    if chunk_size == 64 and bucket_bytes is None:  # the small groups shared their reduce-scatters
+        assert all(g["reductions"] < STEPS * g["groups"] for g in gots), [(g["reductions"], g["groups"]) for g in gots]
     for rank in range(2):
         r, g = refs[rank], gots[rank]
         assert g["world_size"] == 2 and g["global_step"] == STEPS

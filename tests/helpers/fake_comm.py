@@ -41,7 +41,7 @@ class Call:
     op: str
     shapes: tuple[Shape, ...]
     dtype: str
-    group: int | None = None  # the chunk group an all-gather or reduce-scatter is for (shapes alone may agree)
+    group: int | tuple[int, ...] | None = None  # the chunk group(s) a collective is for (shapes alone may agree)
 
     def __str__(self) -> str:
         where = "" if self.group is None else f"@group{self.group}"
@@ -102,7 +102,8 @@ class RecordingComm:
         self.group = None
         self.agreement = agreement if agreement is not None else Agreement(world_size)
         self.calls: list[Call] = []
-        self.label: int | None = None  # the group of the collective about to start (see label_groups)
+        self.label: int | tuple[int, ...] | None = None  # the group(s) of the collective about to start (label_groups)
+        self.counters: list[int] = [-1]  # where the reduce-scatter about to start keeps its counters (label_groups)
         self.gathered_bytes = 0
         self.reduced_bytes = 0
 
@@ -131,8 +132,10 @@ class RecordingComm:
         self._record("reduce_scatter", [*inputs, output])
         self.reduced_bytes += sum(t.numel() * t.element_size() for t in inputs)
         output.copy_(inputs[self.rank])  # as if the peers sent zeros (the presence flags stay this rank's) ...
-        (counter,) = self.agreement.answer(self.rank, "sum", [int(inputs[self.rank][-1].item())])
-        output[-1] = counter  # ... but the incomplete-ranks counter is every rank's sum
+        counters = self.agreement.answer(self.rank, "sum", [int(inputs[self.rank][i].item()) for i in self.counters])
+        for i, counter in zip(self.counters, counters, strict=True):
+            output[i] = counter  # ... but each group's incomplete-ranks counter is every rank's sum
+        self.counters = [-1]
         return None
 
     def start_all_reduce_min(self, tensor: torch.Tensor) -> Any:
@@ -164,17 +167,27 @@ class RecordingComm:
 
 
 def label_groups(sharding: GroupCoordinator, comm: RecordingComm) -> None:
-    """Tell ``comm`` which chunk group each all-gather and reduce-scatter is for: two groups of the same capacity
-    give collectives of the same shapes, and pairing those of different groups would exchange the wrong chunks."""
+    """Tell ``comm`` which chunk group(s) each all-gather and reduce-scatter is for (two groups of the same capacity
+    give collectives of the same shapes, and pairing those of different groups would exchange the wrong chunks),
+    and where a reduce-scatter keeps each group's incomplete-ranks counter (a bucket has one per group)."""
     start_gather, reduce_group = sharding._start_gather, sharding.reducer.reduce
+    reducer = sharding.reducer
+
+    def label(groups: Sequence[int]) -> int | tuple[int, ...]:
+        return groups[0] if len(groups) == 1 else tuple(groups)
 
     def labelled_gather(group: int, protect: set[int]) -> Any:
-        comm.label = group
+        comm.label = label(sharding._bucket(group))
         return start_gather(group, protect)
 
-    def labelled_reduce(group: int, *, final: bool) -> None:
-        comm.label = group
-        reduce_group(group, final=final)
+    def labelled_reduce(groups: tuple[int, ...], *, final: bool) -> None:
+        comm.label = label(groups)
+        ends, end = [], 0
+        for group in groups:
+            end += sharding.members(group)[comm.rank].capacity + reducer._tail(group)
+            ends.append(end - 1)
+        comm.counters = ends
+        reduce_group(groups, final=final)
 
     sharding._start_gather = labelled_gather  # type: ignore[method-assign]
     sharding.reducer.reduce = labelled_reduce  # type: ignore[method-assign]

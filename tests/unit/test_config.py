@@ -92,7 +92,9 @@ def test_sections_accept_dicts_of_their_options() -> None:
     assert cfg.chunks == ChunkConfig(size=64)
     assert cfg.memory.device_limit_bytes == 2 * 2**20
     assert cfg.placement.policy is Placement.STATIC
-    with pytest.raises(UnknownOptionError, match=r"`chunks.sise` \(did you mean `chunks.size`\?\).*\['cpu_embedding'"):
+    with pytest.raises(
+        UnknownOptionError, match=r"`chunks.sise` \(did you mean `chunks.size`\?\).*\['bucket_bytes', 'cpu_embedding'"
+    ):
         PStarConfig(chunks={"sise": 64})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"`memory` must be a MemoryConfig or a dict of its options, got 5"):
         PStarConfig(memory=5)  # type: ignore[arg-type]
@@ -519,3 +521,10 @@ def test_from_mapping_bad_values_are_value_errors(options: dict, pattern: str) -
         warnings.simplefilter("ignore", DeprecationWarning)
         with pytest.raises(ValueError, match=pattern):
             PStarConfig.from_mapping(options)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(0, 0), ("0", 0), (1024, 1024), ("8MiB", 8 * 2**20), ("1.5KB", 1500)])
+def test_bucket_bytes_accepts_zero_and_byte_counts(value: int | str, expected: int) -> None:
+    assert PStarConfig.from_flat(bucket_bytes=value).chunks.bucket_nbytes == expected
+    assert PStarConfig.from_mapping({"chunks": {"bucket_bytes": value}}).chunks.bucket_nbytes == expected
+    assert PStarConfig().chunks.bucket_nbytes == 4 * 2**20  # the default

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -75,6 +75,7 @@ def make_rank(
     world_size: int = WORLD,
     device_limit: int | None = None,
     static_chunk_fraction: float = 1.0,
+    bucket_bytes: int = 0,
 ) -> Rank:
     model = build()
     comm = RecordingComm(rank=rank, world_size=world_size, agreement=agreement)
@@ -83,6 +84,7 @@ def make_rank(
         placement="static",
         device_memory_limit=device_limit,
         static_chunk_fraction=static_chunk_fraction,
+        bucket_bytes=bucket_bytes,
     )
     manager = ChunkManager(
         model,
@@ -171,6 +173,7 @@ def simulate(
     chunk_size: int = CHUNK,
     device_limits: Sequence[int | None] = (None,) * WORLD,
     static_chunk_fraction: float = 1.0,
+    bucket_bytes: int = 0,
 ) -> Run:
     """Run ``scripts[rank]`` on a fresh rank ``rank`` of a two-rank run, rank after rank, until the answers of
     the MIN agreement are a fixed point (:class:`tests.helpers.fake_comm.Agreement`)."""
@@ -186,6 +189,7 @@ def simulate(
                 chunk_size=chunk_size,
                 device_limit=device_limits[rank],
                 static_chunk_fraction=static_chunk_fraction,
+                bucket_bytes=bucket_bytes,
             )
             for rank in range(WORLD)
         ]
@@ -438,8 +442,8 @@ def test_an_evaluation_pass_keeps_no_group_gathered() -> None:
         train_step(r, tokens(ALL_EXPERTS, seed=9))
         finish = r.sharding._finish_gather
 
-        def counted(group: int, work: object) -> None:
-            finish(group, work)
+        def counted(gather: Any) -> None:
+            finish(gather)
             most.append(len(r.sharding.gathered))
 
         r.sharding._finish_gather = counted  # type: ignore[method-assign]
@@ -605,6 +609,82 @@ def test_one_rank_is_the_null_object_and_issues_no_collective() -> None:
     eval_pass(r, tokens(RANK1_EXPERTS, seed=2))
     assert r.setup_calls == [] and r.comm.calls == []
     assert r.manager.sharding.gathers == 0 and r.comm.gathered_bytes == r.comm.reduced_bytes == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# buckets of chunk groups ([Note: buckets of chunk groups]); every test above gives each group its own collectives
+# ------------------------------------------------------------------------------------------------------------
+ALL_IN_ONE = 2**30  # a bucket cap larger than the whole model
+
+
+def _owned_weights(r: Rank) -> list[torch.Tensor]:
+    return [rec.param.detach().clone() for rec in r.manager.records if r.manager.owns(rec.family)]
+
+
+@pytest.mark.parametrize("groups_per_bucket", [None, 2.5], ids=["one-bucket", "two-groups-a-bucket"])
+def test_buckets_share_collectives_and_change_neither_weights_nor_backward_order(
+    groups_per_bucket: float | None,
+) -> None:
+    idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    orders: dict[int, list[list[int]]] = {}
+
+    def script(r: Rank) -> None:
+        for _ in range(3):
+            train_step(r, idx)
+            orders.setdefault(r.sharding.bucket_bytes, []).append(list(r.sharding.order))
+
+    plain = simulate(tiny_gpt, [script] * WORLD, chunk_size=GPT_CHUNK)
+    sharding = plain.ranks[0].sharding
+    largest = max(sharding.reducer._bytes(g) for g in range(sharding.num_groups()))  # > any group's all-gather
+    bucket_bytes = ALL_IN_ONE if groups_per_bucket is None else int(groups_per_bucket * largest)
+    bucketed = simulate(tiny_gpt, [script] * WORLD, chunk_size=GPT_CHUNK, bucket_bytes=bucket_bytes)
+    calls = assert_same_sequence(bucketed)
+    r0 = bucketed.ranks[0]
+    groups = r0.sharding.num_groups()
+    assert r0.sharding.keep == frozenset(range(groups)) and groups >= 4
+    after_plan = list(passes(calls))[1:]
+    for i, step in enumerate(after_plan):
+        if bucket_bytes == ALL_IN_ONE:  # the whole forward in one all-gather, the whole backward in one reduce-scatter
+            assert count(step, "all_gather") == count(step, "reduce_scatter") == 1, [str(c) for c in step]
+        else:
+            assert 1 < count(step, "all_gather") < groups
+            assert 1 < count(step, "reduce_scatter") < trainable_groups(r0)
+        assert count(step, "all_reduce_min") == (1 if i == 0 else 0)  # the plan after the warm-up, then nothing
+    warmup = list(passes(calls))[0]
+    assert count(warmup, "reduce_scatter") < trainable_groups(r0)  # the reducer's buckets need no plan
+    # the same arithmetic and the same sweep: weights bitwise equal to the plain run's, the backward order the same
+    for a, b in zip(plain.ranks, bucketed.ranks, strict=True):
+        for x, y in zip(_owned_weights(a), _owned_weights(b), strict=True):
+            assert torch.equal(x, y)
+    assert orders[0][-3:] == orders[bucket_bytes][-3:]
+
+
+@pytest.mark.parametrize("case", ["experts", "accumulate", "eval", "tied-head", "frozen-embedding"])
+def test_moe_with_buckets_issues_one_sequence(case: str) -> None:
+    b0, b1 = tokens(RANK0_EXPERTS, seed=1), tokens(RANK1_EXPERTS, seed=2)
+    build = moe(frozen_embedding=case == "frozen-embedding")
+    if case == "tied-head":
+
+        def build() -> nn.Module:
+            model = moe()()
+            assert isinstance(model, MoE)
+            model.head.weight = model.emb.weight
+            return model
+
+    def script(batch: torch.Tensor, other: torch.Tensor) -> Script:
+        def run(r: Rank) -> None:
+            train_step(r, tokens(ALL_EXPERTS, seed=9))  # the warm-up: the plan keeps every group
+            if case == "accumulate":
+                train_step(r, batch, other)
+            train_step(r, batch)
+            eval_pass(r, other if case == "eval" else batch)
+            train_step(r, other)
+
+        return run
+
+    run = simulate(build, [script(b0, b1), script(b1, b0)], bucket_bytes=ALL_IN_ONE)
+    calls = assert_same_sequence(run)
+    assert run.ranks[0].sharding.keep and count(calls, "all_gather") < run.ranks[0].sharding.num_groups() * 4
 
 
 # ------------------------------------------------------------------------------------------------------------
