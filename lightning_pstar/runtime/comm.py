@@ -37,6 +37,15 @@ def group_for(device: torch.device, group: Any | None, cpu_group: Any | None) ->
     return group
 
 
+# newer torch (2.13 here) calls reduce_scatter_tensor reduce_scatter_single and deprecates the old name
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _backend(group: Any | None) -> str:
+    """The backend of ``group`` (None: the default group), by name: "gloo", "nccl", ..."""
+    return str(dist.get_backend(group)).lower()
+
+
 class ChunkComm:
     """Collectives over one process group, for chunks."""
 
@@ -75,15 +84,23 @@ class ChunkComm:
         self.gathered_bytes += sum(b.numel() * b.element_size() for i, b in enumerate(buffers) if i != rank_in_group)
         return work
 
-    def start_reduce_scatter(self, inputs: Sequence[torch.Tensor], output: torch.Tensor) -> Any:
-        """Start ``output`` (this rank's chunk) = the sum over ranks of ``inputs[rank]``; returns the work handle
-        (None with one rank, where the copy is done at once). ``inputs`` must stay alive until it is done."""
+    def start_reduce_scatter(self, flat: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Start summing ``flat`` over ranks, where part ``r`` of its ``world_size`` equal parts goes to rank
+        ``r``; returns the work handle (None with one rank) and this rank's part of the sum (read it once the
+        work is done). ``flat`` must stay alive until then.
+
+        Over NCCL a reduce-scatter. Over gloo an all-reduce in place, whose own part this rank keeps: gloo's
+        reduce-scatter is slower than its all-reduce of twice the bytes (two CPU ranks, 112k to 10M fp32
+        elements: 2.2 against 1.0 ms, 35 against 31 ms), and the sum is the same."""
         if not self.distributed:
-            output.copy_(inputs[0])
-            return None
-        self.reduced_bytes += sum(t.numel() * t.element_size() for t in inputs)
-        group = group_for(output.device, self.group, self.cpu_group)
-        return dist.reduce_scatter(output, list(inputs), op=dist.ReduceOp.SUM, group=group, async_op=True)
+            return None, flat
+        self.reduced_bytes += flat.numel() * flat.element_size()
+        parts = flat.view(self.world_size, -1)
+        group = group_for(flat.device, self.group, self.cpu_group)
+        if _backend(group) == "gloo":
+            return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), parts[self.rank]
+        output = torch.empty_like(parts[self.rank])
+        return _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True), output
 
     def start_all_reduce_min(self, tensor: torch.Tensor) -> Any:
         """Start an element-wise minimum over ranks in place; returns the work handle (None with one rank)."""

@@ -1,4 +1,4 @@
-"""Gradient reduction of ZeRO data parallelism: one reduce-scatter per chunk group and backward, no agreement.
+"""Gradient reduction of ZeRO data parallelism: one reduce-scatter per bucket of chunk groups and backward.
 
 [Note: the agreement in the reduction's buffer]
 Each rank writes the final local gradients of a backward into an fp32 buffer per family: the chunk's capacity,
@@ -22,12 +22,13 @@ backward when some rank never completed it (an expert it did not run, a tied emb
 last). A repeating iteration then reduces each group once and waits on nothing; one that changes (experts that
 vary per step) pays a second round for what arrived late, and nothing else.
 
-Buckets ([Note: buckets of chunk groups] in :mod:`~lightning_pstar.runtime.sharding`): consecutive groups of the
-backward's order whose reduce-scatter stays within ``bucket_bytes`` share one. Their buffers are views of one
-buffer per rank, allocated when the bucket's first gradient arrives; the bucket is due at the latest due step of
-its groups, and every group keeps its own tail (flags and counter) in it, so what the owners learn per group is
-what a reduction of the group alone tells them. A second round is one group's alone. The buckets follow from the
-backward's order and the layout, the same on every rank.
+Buckets ([Note: buckets of chunk groups] in :mod:`~lightning_pstar.runtime.sharding`): consecutive groups of
+the backward's order whose reduce-scatter stays within ``bucket_bytes`` share one. Their buffers are views of
+one buffer (a part per rank), allocated when the bucket's first gradient arrives; the bucket is due at the
+latest due step of its groups, and every group keeps its own tail (flags and counter) in it, so what the owners
+learn per group is what a reduction of the group alone tells them. A second round is one group's alone. The
+buckets follow from the backward's order and the layout, the same on every rank. Over gloo the reduce-scatter is
+an all-reduce of the same buffer (:meth:`~lightning_pstar.runtime.comm.ChunkComm.start_reduce_scatter`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class _Round:
     groups: tuple[int, ...]  # one group, or a bucket of them
     work: Any  # the collective's handle (None with a fake or one rank)
     outputs: list[torch.Tensor]  # per group: its own family's gradients and tail (views of one buffer)
-    inputs: list[torch.Tensor]  # kept alive until the work is done
+    flat: torch.Tensor  # every rank's part of the input, kept alive until the work is done
     final: bool  # no second round can follow (the end of the backward)
 
 
@@ -80,7 +81,7 @@ class GroupReducer:
         self.local_slots: dict[int, set[int]] = {}  # family -> records with a local gradient in the buffer
         self.bucket_bytes = bucket_bytes
         self.bucket: dict[int, tuple[int, ...]] = {}  # group -> the bucket it is reduced in (this backward)
-        self.packed: dict[tuple[int, ...], list[torch.Tensor]] = {}  # bucket -> its buffer per rank
+        self.packed: dict[tuple[int, ...], torch.Tensor] = {}  # bucket -> its buffer: one part per rank
         self.waiting: dict[int, int] = {}  # group -> trainable slots still without a local gradient
         self.reduced: set[int] = set()  # groups whose (first) round started in this backward
         self.received: set[int] = set()  # records with a local gradient in this backward (sent or not)
@@ -132,20 +133,18 @@ class GroupReducer:
         return sum(f.capacity + self._tail(group) for f in self.members(group)) * 4
 
     def _allocate(self, group: int) -> None:
-        """The local gradient buffers of ``group``'s bucket (of its family alone for a second round): zeros."""
+        """The local gradient buffers of ``group``'s bucket (of the group alone for a second round): zeros, one
+        buffer whose part ``r`` holds, group after group, what rank ``r`` owns."""
         bucket = self.bucket.get(group, (group,)) if group not in self.reduced else (group,)
-        if len(bucket) == 1:
-            for family in self.members(group):
-                if family.family_id not in self.local_grads:
-                    self.local_grads[family.family_id] = self._zeros(family.capacity + self._tail(group))
-            return
         width = self.world_size
+        families = [f for g in bucket for f in self.members(g)]
         sizes = [f.capacity + self._tail(g) for g in bucket for f in self.members(g)]
-        packed = [self._zeros(sum(sizes[r::width])) for r in range(width)]
-        parts = [buf.split(sizes[r::width]) for r, buf in enumerate(packed)]
-        for i, family in enumerate(f for g in bucket for f in self.members(g)):
-            self.local_grads[family.family_id] = parts[i % width][i // width]
-        self.packed[bucket] = packed
+        part = sum(sizes[::width])  # the members of a group have one capacity: every part has this size
+        flat = self._zeros(width * part)
+        for r, buf in enumerate(flat.split(part)):
+            for family, view in zip(families[r::width], buf.split(sizes[r::width]), strict=True):
+                self.local_grads[family.family_id] = view
+        self.packed[bucket] = flat
 
     def _zeros(self, numel: int) -> torch.Tensor:
         return torch.zeros(numel, dtype=torch.float32, device=self.device)
@@ -213,32 +212,24 @@ class GroupReducer:
     def reduce(self, groups: tuple[int, ...], *, final: bool) -> None:
         """Start reduce-scattering the local gradients (summed) of ``groups`` (one group, or a bucket) to their
         owners, every group with its tail."""
-        packed = self.packed.pop(groups, None)
-        if packed is None and len(groups) > 1:  # a bucket no gradient arrived for: zeros
+        if groups not in self.packed:  # no gradient of the groups arrived here: zeros
             self._allocate(groups[0])
-            packed = self.packed.pop(groups)
-        own = [self.members(g)[self.rank] for g in groups]
-        singles: list[torch.Tensor] = []  # one group: the members' buffers, in rank order
+        flat = self.packed.pop(groups)
         for group in groups:
             tail = self._tail(group)
             incomplete = 0.0 if final or self.waiting.get(group, 0) == 0 else 1.0
             for family in self.members(group):
-                buf = self.local_grads.pop(family.family_id, None)
-                if buf is None:  # a second round's member without a late gradient here: zeros
-                    buf = self._zeros(family.capacity + tail)
+                buf = self.local_grads.pop(family.family_id)
                 got = self.local_slots.pop(family.family_id, set())
                 flags = [1.0 if r.index in got else 0.0 for r in family.records]
                 flags += [0.0] * (tail - 1 - len(flags))
                 flags.append(incomplete)
                 buf[family.capacity :].copy_(torch.tensor(flags, dtype=torch.float32))
-                singles.append(buf)
-        inputs = packed if packed is not None else singles
-        sizes = [f.capacity + self._tail(g) for f, g in zip(own, groups, strict=True)]
-        output = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
+        sizes = [self.members(g)[self.rank].capacity + self._tail(g) for g in groups]
         with profiled("pstar::reduce_scatter"):
-            work = self.comm.start_reduce_scatter(inputs, output)
+            work, mine = self.comm.start_reduce_scatter(flat)
         self.reductions += 1
-        self.rounds.append(_Round(groups, work, list(output.split(sizes)), inputs, final))
+        self.rounds.append(_Round(groups, work, list(mine.split(sizes)), flat, final))
         self.reduced.update(groups)
 
     def store(self, *, block: bool) -> None:

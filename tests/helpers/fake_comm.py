@@ -126,17 +126,16 @@ class RecordingComm:
                 self.gathered_bytes += buf.numel() * buf.element_size()
         return None
 
-    def start_reduce_scatter(self, inputs: Sequence[torch.Tensor], output: torch.Tensor) -> Any:
-        assert len(inputs) == self.world_size
-        assert len({(t.numel(), t.dtype) for t in (*inputs, output)}) == 1, "reduce-scatter buffers differ in size"
-        self._record("reduce_scatter", [*inputs, output])
-        self.reduced_bytes += sum(t.numel() * t.element_size() for t in inputs)
-        output.copy_(inputs[self.rank])  # as if the peers sent zeros (the presence flags stay this rank's) ...
-        counters = self.agreement.answer(self.rank, "sum", [int(inputs[self.rank][i].item()) for i in self.counters])
+    def start_reduce_scatter(self, flat: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        parts = flat.view(self.world_size, -1)  # raises unless the parts have one size
+        self._record("reduce_scatter", list(parts))
+        self.reduced_bytes += flat.numel() * flat.element_size()
+        output = parts[self.rank].clone()  # as if the peers sent zeros (the presence flags stay this rank's) ...
+        counters = self.agreement.answer(self.rank, "sum", [int(output[i].item()) for i in self.counters])
         for i, counter in zip(self.counters, counters, strict=True):
             output[i] = counter  # ... but each group's incomplete-ranks counter is every rank's sum
         self.counters = [-1]
-        return None
+        return None, output
 
     def start_all_reduce_min(self, tensor: torch.Tensor) -> Any:
         self._record("all_reduce_min", [tensor])
