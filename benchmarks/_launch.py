@@ -3,7 +3,18 @@ port, torchrun's environment for each rank, and fresh ``spawn`` processes per ru
 failure) come back through one queue.
 
 Also the Trainer options every benchmark run shares (:data:`QUIET_TRAINER`: training only, no logging or
-checkpoints). Used by every script in ``benchmarks/``; not a public module.
+checkpoints), and ``--host-malloc`` (:func:`add_host_malloc_option`). Used by every script in ``benchmarks/``;
+not a public module.
+
+[Note: --host-malloc cached]
+On a CPU the simulated DEVICE tier is host memory from glibc's malloc. A block PatrickStar frees at the end of a
+pass (a released remote chunk, a reduction's buffer) is often handed back to the kernel (the heap's top is
+trimmed, large blocks are mmap'ed) and its pages fault in again, zeroed, at the next step's allocation; DDP keeps
+its gradient buckets for the whole run and barely pays it. On a GPU none of this happens: CUDA's caching
+allocator keeps freed blocks for the process. ``--host-malloc cached`` makes glibc keep freed memory too
+(``mallopt``: no trimming, no mmap below 32 MiB) in every rank of every strategy of the run, so CPU step times
+compare the strategies' work rather than the kernel's page faults; ``default`` (the default) leaves malloc as
+it is. Peak RSS is a high-water mark either way.
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from typing import Any
 
 __all__ = [
     "QUIET_TRAINER",
+    "add_host_malloc_option",
+    "apply_host_malloc",
     "free_port",
     "importable_env",
     "make_repo_importable",
@@ -39,6 +52,39 @@ QUIET_TRAINER: dict[str, Any] = {
     "enable_model_summary": False,
 }
 """Trainer options of every benchmark run: training steps only, nothing logged, saved or printed."""
+
+
+_HOST_MALLOC_ENV = "PSTAR_BENCH_HOST_MALLOC"
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def add_host_malloc_option(parser: Any) -> None:
+    """``--host-malloc {default,cached}`` ([Note: --host-malloc cached]); call :func:`apply_host_malloc` with the
+    parsed value before starting ranks."""
+    parser.add_argument(
+        "--host-malloc",
+        choices=["default", "cached"],
+        default="default",
+        help="cached: glibc keeps freed host memory in every rank, as CUDA's caching allocator keeps device memory"
+        " (default: glibc's own behaviour)",
+    )
+
+
+def apply_host_malloc(mode: str | None = None) -> None:
+    """In the parent (``mode`` given): record the choice for the ranks it starts (they inherit the environment).
+    In a rank (no ``mode``): with "cached", tell glibc to keep freed memory; raises if it cannot."""
+    if mode is not None:
+        os.environ[_HOST_MALLOC_ENV] = mode
+        return
+    if os.environ.get(_HOST_MALLOC_ENV, "default") != "cached":
+        return
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or not (mallopt(_M_TRIM_THRESHOLD, 2**30) and mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)):
+        raise SystemExit("--host-malloc cached needs glibc's mallopt, which this C library does not provide")
 
 
 def repo_root() -> str:
@@ -89,6 +135,7 @@ def _rank_main(
 ) -> None:
     os.environ.update(env)
     try:
+        apply_host_malloc()
         q.put(("ok", rank, target(rank, *target_args)))
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))

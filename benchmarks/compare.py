@@ -83,7 +83,14 @@ from lightning_pstar.demos.timing import StepTimer
 from lightning_pstar.planning import plan_capacity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import QUIET_TRAINER, free_port, importable_env, rank_env  # noqa: E402
+from _launch import (  # noqa: E402
+    QUIET_TRAINER,
+    add_host_malloc_option,
+    apply_host_malloc,
+    free_port,
+    importable_env,
+    rank_env,
+)
 from gpu_peers import FSDPGPTModule, FSDPStrategy  # noqa: E402
 
 RUN_KEYS = (
@@ -120,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategies", default=",".join(RUN_KEYS), help=f"comma-separated subset of {RUN_KEYS}")
     p.add_argument("--limit-fraction", type=float, default=0.4, help="share of model data the limit leaves")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: 1)")
+    add_host_malloc_option(p)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG bar chart")
@@ -568,7 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parent: runs, then tables, JSON and plot. Worker: one rank of one run, its result written as JSON."""
     raw = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(raw)
+    apply_host_malloc(args.host_malloc)  # the ranks apply it ([Note: --host-malloc cached] in _launch.py)
     if args.worker is not None:
+        apply_host_malloc()
         result = run_worker(RunSpec(**json.loads(args.worker)), args)
         args.result.write_text(json.dumps(result))
         return 0

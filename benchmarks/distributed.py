@@ -43,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import QUIET_TRAINER, make_repo_importable, run_ranks  # noqa: E402
+from _launch import (  # noqa: E402
+    QUIET_TRAINER,
+    add_host_malloc_option,
+    apply_host_malloc,
+    make_repo_importable,
+    run_ranks,
+)
 
 STRATEGIES = ("patrickstar", "ddp", "fsdp")
 MAX_STEP_TIME_RATIO = 1.25
@@ -77,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="runs per strategy, interleaved; the run with the lowest median step time counts (default: 1)",
     )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default: 1)")
+    add_host_malloc_option(parser)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
@@ -282,6 +289,7 @@ def _verdict(passed: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    apply_host_malloc(args.host_malloc)  # the ranks apply it ([Note: --host-malloc cached] in _launch.py)
     make_repo_importable()  # the children import the repository's package, installed or not
     tries: dict[str, list[dict[str, Any]]] = {name: [] for name in args.strategy_list}
     # interleaved (a, b, c, a, b, c, ...) so that a slow phase of the machine hits every strategy alike

@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import QUIET_TRAINER, make_repo_importable, run_ranks  # noqa: E402
+from _launch import (  # noqa: E402
+    QUIET_TRAINER,
+    add_host_malloc_option,
+    apply_host_malloc,
+    make_repo_importable,
+    run_ranks,
+)
 from distributed import _fsdp_module_class  # noqa: E402
 
 ONE_RANK = ("auto", "patrickstar")
@@ -75,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs; the fastest counts (default: 1)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default: 1)")
+    add_host_malloc_option(parser)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--quick", action="store_true", help="2 layers, 2 + 1 steps, no FSDP2: a smoke run")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
@@ -303,6 +310,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    apply_host_malloc(args.host_malloc)  # the ranks apply it ([Note: --host-malloc cached] in _launch.py)
     make_repo_importable()
     tries: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     for _ in range(args.repeats):  # interleaved, so a slow phase of the machine hits every run alike

@@ -116,10 +116,11 @@ def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
     """benchmarks/scaling.py --quick (issue 18): PatrickStar's engine CPU per module, collectives per step and
     bytes/param per rank at 1 and 2 ranks, in seconds."""
     out_json = tmp_path / "scaling.json"
-    out = _finish(
-        _start(["benchmarks/scaling.py", "--quick", "--strategies", "patrickstar", "--json", str(out_json)]), 120
-    )
-    rows = {r["world_size"]: r for r in json.loads(out_json.read_text())["rows"]}
+    command = ["benchmarks/scaling.py", "--quick", "--strategies", "patrickstar", "--host-malloc", "cached"]
+    out = _finish(_start([*command, "--json", str(out_json)]), 120)
+    report = json.loads(out_json.read_text())
+    assert report["args"]["host_malloc"] == "cached"  # [Note: --host-malloc cached] in benchmarks/_launch.py
+    rows = {r["world_size"]: r for r in report["rows"]}
     assert set(rows) == {1, 2} and "engine/module" in out, out
     for world, row in rows.items():
         assert row["strategy"] == "patrickstar" and row["n_layer"] == 2
