@@ -112,7 +112,9 @@ class ChunkConfig:
     bucket_bytes: int | str = "4MiB"
     """Several ranks: consecutive chunk groups whose all-gather or reduce-scatter stays within this many bytes
     share one collective, as DDP's gradient buckets do (each collective costs a fixed latency besides its
-    bytes); an int (bytes) or a string with a unit. 0 gives every chunk group collectives of its own."""
+    bytes); an int (bytes) or a string with a unit. 0 gives every chunk group collectives of its own. A bucket's
+    all-gather packs the chunks into buffers of its size for the collective (transient device memory beside the
+    chunk budget), so keep it small next to the device budget; every rank must use the same value."""
 
     def __post_init__(self) -> None:
         size = self.size

@@ -444,16 +444,21 @@ class GroupCoordinator:
         """Setup, before any chunk exists: every rank must have built the same model (``layout``: parameters,
         elements, chunk size, families; ``detail``: names, shapes, trainability), and as DDP does every rank
         starts from rank 0's weights (meta-initialised ones come from their owner)."""
-        mine = (*layout, hashlib.sha1(detail.encode()).hexdigest())  # a digest: hash() differs per process
+        mine = (*layout, hashlib.sha1(detail.encode()).hexdigest(), self.bucket_bytes)
         every = self.comm.all_gather_object(mine)
         for rank, theirs in enumerate(every):
-            if theirs != mine:
+            if theirs[:-1] != mine[:-1]:
                 raise ValueError(
                     f"The model differs between ranks: rank {self.rank} has {mine[0]} parameters with"
                     f" {mine[1]:,} elements in {mine[3]} chunks of {mine[2]:,}, rank {rank} has {theirs[0]}"
                     f" parameters with {theirs[1]:,} elements in {theirs[3]} chunks of {theirs[2]:,}"
                     " (or other names/shapes). HINT: build the same model on every rank (same config, same"
                     " frozen parameters) and set chunk_size explicitly if the device budgets differ."
+                )
+            if theirs[-1] != mine[-1]:  # the buckets decide which collectives run: every rank must cut the same
+                raise ValueError(
+                    f"`chunks.bucket_bytes` differs between ranks: rank {self.rank} has {mine[-1]:,} bytes, rank"
+                    f" {rank} {theirs[-1]:,}. HINT: give every rank the same PatrickStar config."
                 )
         with torch.no_grad():
             for record in records:

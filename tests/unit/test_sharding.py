@@ -529,6 +529,33 @@ def test_ranks_whose_layouts_differ_are_refused_at_setup() -> None:
             manager.materialise()
 
 
+def test_ranks_whose_bucket_sizes_differ_are_refused_at_setup() -> None:
+    # the buckets decide which collectives run ([Note: buckets of chunk groups]): two caps would pair different ones
+    digests: list[object] = []
+
+    class Peer(RecordingComm):
+        def all_gather_object(self, obj: object) -> list[object]:
+            digests.append(obj)
+            return [obj, digests[0]]
+
+    for bucket_bytes in ("4MiB", "4MiB", "8MiB"):
+        comm = Peer(rank=1, world_size=WORLD)
+        manager = ChunkManager(
+            moe()(),
+            config=PStarConfig.from_flat(chunk_size=CHUNK, placement="static", bucket_bytes=bucket_bytes),
+            compute_dtype=torch.float32,
+            device=CPU,
+            world_size=WORLD,
+            comm=cast(ChunkComm, comm),
+        )
+        if bucket_bytes == "8MiB":
+            with pytest.raises(ValueError, match=r"`chunks.bucket_bytes` differs between ranks: rank 1 has 8,388,608"):
+                manager.materialise()
+            assert manager.families and not any(f.chunks for f in manager.families)  # before any chunk exists
+        else:
+            manager.materialise()
+
+
 def test_kept_groups_leave_the_backward_order_as_it_was() -> None:
     # TinyGPT's tied head uses group 0 again after the forward sweep passed it. Without keeping, that is an
     # out-of-order gather and the backward sweeps group 0 first; kept, the group is still present, and the
