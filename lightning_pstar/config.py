@@ -130,7 +130,10 @@ class ChunkConfig:
         self.size = size
         _flag(self.cpu_embedding, name="chunks.cpu_embedding")
         if self.bucket_bytes not in (0, "0"):  # 0: no buckets; anything else is a positive byte count
-            parse_bytes(self.bucket_bytes, name="chunks.bucket_bytes")
+            try:
+                parse_bytes(self.bucket_bytes, name="chunks.bucket_bytes")
+            except ValueError as err:
+                raise ValueError(f"{err} HINT: `chunks.bucket_bytes` takes 0 (no buckets) or a byte count.") from None
 
     @property
     def bucket_nbytes(self) -> int:
