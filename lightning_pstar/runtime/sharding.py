@@ -444,6 +444,7 @@ class GroupCoordinator:
         """Setup, before any chunk exists: every rank must have built the same model (``layout``: parameters,
         elements, chunk size, families; ``detail``: names, shapes, trainability), and as DDP does every rank
         starts from rank 0's weights (meta-initialised ones come from their owner)."""
+        # a digest (hash() differs per process), and the bucket size: it decides which collectives run
         mine = (*layout, hashlib.sha1(detail.encode()).hexdigest(), self.bucket_bytes)
         every = self.comm.all_gather_object(mine)
         for rank, theirs in enumerate(every):
@@ -455,7 +456,7 @@ class GroupCoordinator:
                     " (or other names/shapes). HINT: build the same model on every rank (same config, same"
                     " frozen parameters) and set chunk_size explicitly if the device budgets differ."
                 )
-            if theirs[-1] != mine[-1]:  # the buckets decide which collectives run: every rank must cut the same
+            if theirs[-1] != mine[-1]:
                 raise ValueError(
                     f"`chunks.bucket_bytes` differs between ranks: rank {self.rank} has {mine[-1]:,} bytes, rank"
                     f" {rank} {theirs[-1]:,}. HINT: give every rank the same PatrickStar config."

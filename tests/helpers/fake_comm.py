@@ -2,7 +2,7 @@
 protocol ([Note: one collective sequence on every rank] in ``lightning_pstar/runtime/sharding.py``).
 
 :class:`RecordingComm` moves no data: every collective returns at once (work handle None), an all-gather
-zero-fills what the peers would send, a reduce-scatter hands the owner its own input (as if the peers sent zeros),
+zero-fills what the peers would send, a reduce-scatter hands the owner its own part (as if the peers sent zeros),
 and each call is appended to :attr:`RecordingComm.calls` as a :class:`Call` (name, shapes, dtypes, and with
 :func:`label_groups` the chunk group). Collectives pair by position, so ranks follow the protocol when their lists
 are identical.
