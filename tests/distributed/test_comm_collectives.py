@@ -46,20 +46,23 @@ def _collectives(rank: int, world: int, backend: str) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def test_bucket_collectives_over_gloo_give_each_rank_its_parts_sum() -> None:
-    results = run_ranks(_collectives, 2, "gloo", timeout=120)
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices (one per rank)"),
+            ],
+        ),
+    ],
+)
+def test_bucket_collectives_give_each_rank_its_parts_sum(backend: str) -> None:
+    results = run_ranks(_collectives, 2, backend, timeout=300)
     for rank, got in enumerate(results):
         assert got["reduced_ok"], rank
         assert got["part_numel"] == PART
         assert got["gathered"] == [1.0, 2.0]
         assert got["reduced_bytes"] == 2 * PART * 4
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices (one rank per device)")
-def test_bucket_collectives_over_nccl_give_each_rank_its_parts_sum() -> None:
-    results = run_ranks(_collectives, 2, "nccl", timeout=300)
-    for rank, got in enumerate(results):
-        assert got["reduced_ok"], rank
-        assert got["part_numel"] == PART
-        assert got["gathered"] == [1.0, 2.0]

@@ -500,9 +500,9 @@ def test_non_reentrant_checkpointing_of_a_module_used_twice_reports_each_gradien
     assert received[-WORLD:] == [trainable] * WORLD  # every parameter's gradient, once, on every rank
 
 
-def test_ranks_whose_layouts_differ_are_refused_at_setup() -> None:
-    # the same names, shapes, chunk size and family count, but one chunk's capacity differs: the collectives would
-    # pair buffers of different sizes, so setup refuses it on every rank
+def _peer_managers(*flat_options: dict[str, Any]) -> Iterator[ChunkManager]:
+    """Rank 1 of two, once per entry of ``flat_options``; its setup agreement answers with what the first one
+    sent (as rank 0 built with the first options)."""
     digests: list[object] = []
 
     class Peer(RecordingComm):
@@ -510,50 +510,35 @@ def test_ranks_whose_layouts_differ_are_refused_at_setup() -> None:
             digests.append(obj)
             return [obj, digests[0]]
 
-    for bump in (0, 64):
-        model = moe()()
-        comm = Peer(rank=1, world_size=WORLD)
-        manager = ChunkManager(
-            model,
-            config=PStarConfig.from_flat(chunk_size=CHUNK, placement="static"),
+    for options in flat_options:
+        yield ChunkManager(
+            moe()(),
+            config=PStarConfig.from_flat(chunk_size=CHUNK, placement="static", **options),
             compute_dtype=torch.float32,
             device=CPU,
             world_size=WORLD,
-            comm=cast(ChunkComm, comm),
+            comm=cast(ChunkComm, Peer(rank=1, world_size=WORLD)),
         )
-        manager.layout.chunks[-1].capacity += bump
-        if bump:
-            with pytest.raises(ValueError, match="The model differs between ranks"):
-                manager.materialise()
-        else:
-            manager.materialise()
+
+
+def test_ranks_whose_layouts_differ_are_refused_at_setup() -> None:
+    # the same names, shapes, chunk size and family count, but one chunk's capacity differs: the collectives would
+    # pair buffers of different sizes, so setup refuses it on every rank
+    same, bumped = _peer_managers({}, {})
+    same.materialise()
+    bumped.layout.chunks[-1].capacity += 64
+    with pytest.raises(ValueError, match="The model differs between ranks"):
+        bumped.materialise()
 
 
 def test_ranks_whose_bucket_sizes_differ_are_refused_at_setup() -> None:
     # the buckets decide which collectives run ([Note: buckets of chunk groups]): two caps would pair different ones
-    digests: list[object] = []
-
-    class Peer(RecordingComm):
-        def all_gather_object(self, obj: object) -> list[object]:
-            digests.append(obj)
-            return [obj, digests[0]]
-
-    for bucket_bytes in ("4MiB", "4MiB", "8MiB"):
-        comm = Peer(rank=1, world_size=WORLD)
-        manager = ChunkManager(
-            moe()(),
-            config=PStarConfig.from_flat(chunk_size=CHUNK, placement="static", bucket_bytes=bucket_bytes),
-            compute_dtype=torch.float32,
-            device=CPU,
-            world_size=WORLD,
-            comm=cast(ChunkComm, comm),
-        )
-        if bucket_bytes == "8MiB":
-            with pytest.raises(ValueError, match=r"`chunks.bucket_bytes` differs between ranks: rank 1 has 8,388,608"):
-                manager.materialise()
-            assert manager.families and not any(f.chunks for f in manager.families)  # before any chunk exists
-        else:
-            manager.materialise()
+    first, same, other = _peer_managers({"bucket_bytes": "4MiB"}, {"bucket_bytes": "4MiB"}, {"bucket_bytes": "8MiB"})
+    first.materialise()
+    same.materialise()
+    with pytest.raises(ValueError, match=r"`chunks.bucket_bytes` differs between ranks: rank 1 has 8,388,608"):
+        other.materialise()
+    assert other.families and not any(f.chunks for f in other.families)  # refused before any chunk exists
 
 
 def test_kept_groups_leave_the_backward_order_as_it_was() -> None:
