@@ -18,6 +18,7 @@ tree through one table, :data:`FLAT_OPTIONS`, used by :meth:`PStarConfig.from_fl
 from __future__ import annotations
 
 import math
+import re
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -129,21 +130,33 @@ class ChunkConfig:
             )
         self.size = size
         _flag(self.cpu_embedding, name="chunks.cpu_embedding")
-        if self.bucket_bytes not in (0, "0"):  # 0: no buckets; anything else is a positive byte count
-            try:
-                parse_bytes(self.bucket_bytes, name="chunks.bucket_bytes")
-            except ValueError as err:
-                raise ValueError(f"{err} HINT: `chunks.bucket_bytes` takes 0 (no buckets) or a byte count.") from None
+        self.bucket_bytes = _bucket_bytes(self.bucket_bytes)
 
     @property
     def bucket_nbytes(self) -> int:
         """``bucket_bytes`` in bytes (0: every chunk group collects alone)."""
-        return 0 if self.bucket_bytes in (0, "0") else parse_bytes(self.bucket_bytes, name="chunks.bucket_bytes")
+        return _bucket_bytes(self.bucket_bytes)
 
     @property
     def elements(self) -> int | None:
         """The explicit chunk size in elements, or None for "auto"."""
         return None if self.size == "auto" else int(self.size)
+
+
+_ZERO_BYTES = re.compile(r"\s*0+(\.0*)?\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*", re.IGNORECASE)
+
+
+def _bucket_bytes(value: object) -> int:
+    """``chunks.bucket_bytes`` in bytes: 0 (or a zero with a unit, "0MiB") turns buckets off."""
+    accepted = "0 (no buckets) or a byte count such as 4194304 or '4MiB'"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"`chunks.bucket_bytes` must be {accepted}, got {value!r}.")
+    if value == 0 or (isinstance(value, str) and _ZERO_BYTES.fullmatch(value)):
+        return 0
+    try:
+        return parse_bytes(value, name="chunks.bucket_bytes")
+    except ValueError as err:
+        raise ValueError(f"{err} HINT: `chunks.bucket_bytes` takes {accepted}.") from None
 
 
 @dataclass(kw_only=True)

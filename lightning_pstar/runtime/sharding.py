@@ -273,9 +273,11 @@ class GroupCoordinator:
 
     def _bucket(self, group: int) -> list[int]:
         """``group`` and the kept groups right after it in a forward sweep that share its all-gather ([Note:
-        buckets of chunk groups]); decided from what every rank has the same."""
+        buckets of chunk groups]); decided from what every rank has the same. The group may be the one the sweep
+        reaches now (``start == cursor``) or the next one (a prefetch): a rank that skipped the module before it
+        reaches it by the sweep where a peer prefetched it, and both must cut the same bucket."""
         start = self.position.get(group, -1)
-        if self.sweep is not Sweep.FORWARD or not self.keeping or start <= self.cursor:
+        if self.sweep is not Sweep.FORWARD or not self.keeping or start < self.cursor:
             return [group]  # a backward's gathers and an out-of-order one (a tied head) go alone
         bucket, size = [group], self._gather_bytes(group)
         for later in self.order[start + 1 :]:
@@ -331,8 +333,9 @@ class GroupCoordinator:
                 gather.work.wait()
         if gather.packed is not None:  # unpack every peer's part of the bucket into its chunks
             width = self.world_size
-            chunks = [f.param_chunk.data for g in gather.groups for f in self.members(g)]
-            sizes = [c.numel() for c in chunks[self.rank :: width]]
+            families = [f for g in gather.groups for f in self.members(g)]
+            chunks = [f.param_chunk.data for f in families]
+            sizes = [f.capacity for f in families[self.rank :: width]]
             parts = [buf.split(sizes) for buf in gather.packed]
             targets = [c for i, c in enumerate(chunks) if i % width != self.rank]
             sources = [parts[i % width][i // width] for i in range(len(chunks)) if i % width != self.rank]

@@ -24,7 +24,7 @@ from lightning_pstar.config import FLAT_OPTIONS
 BAD: dict[str, list[Any]] = {
     "chunk_size": [0, -5, 10**13, 2**31 + 1, 2.5, "big", "1e3", None, True, [1]],
     "cpu_embedding": ["yes", 1, None, 0.5],
-    "bucket_bytes": [-1, "-1MiB", "8 parsecs", 1.5, True, None, [1]],
+    "bucket_bytes": [-1, "-1MiB", "8 parsecs", "0 parsecs", 1.5, True, False, None, [1]],
     "device_memory_limit": [0, -1, "0GiB", "-1GiB", "8 parsecs", 1.5, True, [1]],
     "host_memory_limit": [0, -1, "8 parsecs", 1.5, True, [1]],
     "device_memory_fraction": [0, 1.5, -0.1, "0.5", None, True, math.nan, math.inf],

@@ -671,8 +671,9 @@ def test_buckets_share_collectives_and_change_neither_weights_nor_backward_order
     assert orders[0][-3:] == orders[bucket_bytes][-3:]
 
 
+@pytest.mark.parametrize("bucket_bytes", [ALL_IN_ONE, 2500], ids=["one-bucket", "about-two-groups-a-bucket"])
 @pytest.mark.parametrize("case", ["experts", "accumulate", "eval", "tied-head", "frozen-embedding"])
-def test_moe_with_buckets_issues_one_sequence(case: str) -> None:
+def test_moe_with_buckets_issues_one_sequence(case: str, bucket_bytes: int) -> None:
     b0, b1 = tokens(RANK0_EXPERTS, seed=1), tokens(RANK1_EXPERTS, seed=2)
     build = moe(frozen_embedding=case == "frozen-embedding")
     if case == "tied-head":
@@ -694,9 +695,14 @@ def test_moe_with_buckets_issues_one_sequence(case: str) -> None:
 
         return run
 
-    run = simulate(build, [script(b0, b1), script(b1, b0)], bucket_bytes=ALL_IN_ONE)
+    run = simulate(build, [script(b0, b1), script(b1, b0)], bucket_bytes=bucket_bytes)
     calls = assert_same_sequence(run)
-    assert run.ranks[0].sharding.keep and count(calls, "all_gather") < run.ranks[0].sharding.num_groups() * 4
+    sharding = run.ranks[0].sharding
+    assert sharding.keep and sharding.prefetch_enabled
+    buckets = [c for c in calls if c.op == "all_gather" and isinstance(c.group, tuple)]
+    assert buckets, "no all-gather shared by several groups"
+    if bucket_bytes != ALL_IN_ONE:  # several buckets per forward, each of a few groups
+        assert max(len(c.group) for c in buckets) < sharding.num_groups() // 2
 
 
 # ------------------------------------------------------------------------------------------------------------
