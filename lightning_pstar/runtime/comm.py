@@ -90,8 +90,9 @@ class ChunkComm:
         work is done). ``flat`` must stay alive until then.
 
         Over NCCL a reduce-scatter. On host tensors (gloo) an all-reduce in place, whose own part this rank keeps:
-        gloo's reduce-scatter is slower than its all-reduce of twice the bytes (two CPU ranks, 112k to 10M fp32
-        elements: 2.2 against 1.0 ms, 35 against 31 ms), and the sum is the same."""
+        gloo's reduce-scatter is slower than its all-reduce of twice the bytes (two CPU ranks, 112k and 10M fp32
+        elements: 1.4 against 0.6 ms, 40 against 34 ms; ``python benchmarks/collectives.py``), and the sum is the
+        same."""
         if not self.distributed:
             return None, flat
         self.reduced_bytes += flat.numel() * flat.element_size()

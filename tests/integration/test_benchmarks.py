@@ -132,6 +132,19 @@ def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
     assert rows[2]["bytes_per_param"] < rows[1]["bytes_per_param"]  # ZeRO: each rank keeps its own families
 
 
+def test_collectives_times_every_collective_at_every_size(tmp_path: Path) -> None:
+    """benchmarks/collectives.py (the README's and comm.py's gloo figures): one positive time per collective and
+    size, from two real ranks."""
+    out_json = tmp_path / "collectives.json"
+    command = ["benchmarks/collectives.py", "--numel", "1000,4000", "--repeats", "3", "--json", str(out_json)]
+    out = _finish(_start(command), 120)
+    report = json.loads(out_json.read_text())
+    assert sorted(report["ms"]) == ["1000", "4000"], out
+    for row in report["ms"].values():
+        assert set(row) == {"reduce_scatter(list)", "reduce_scatter_single", "all_reduce", "all_gather(bf16 half)"}
+        assert all(ms > 0 for ms in row.values()), row
+
+
 def test_pinned_waste_counts_the_rounding_the_cuda_layout_avoids() -> None:
     """``benchmarks/pinned_waste.py`` (the README's pinned-memory figures): on CUDA's power-of-two chunks the
     host allocator rounds nothing, and the searched layout's rounding is what the table adds."""
