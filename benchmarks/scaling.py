@@ -3,10 +3,10 @@
     python benchmarks/scaling.py --repeats 3 --threads 1 --json /tmp/scaling.json   # 2, 8, 32 layers
     python benchmarks/scaling.py --quick                                            # seconds: 2 layers, 2 steps
 
-For every depth in ``--layers`` a narrow demo GPT (``--n-embd`` 64, 2 heads, bf16-mixed, fused AdamW) is trained
-on 1 rank (``patrickstar`` against ``auto``) and on 2 CPU ranks (``patrickstar`` against ``ddp`` and FSDP2,
-launched as ``benchmarks/distributed.py`` launches them: fresh ``spawn`` processes, a process group of their
-own). Reported per run, over the measured steps (the first ``--warmup`` steps dropped):
+For every depth in ``--layers`` a narrow demo GPT (``--n-embd`` 64, 2 heads, ``--precision`` bf16-mixed, fused
+AdamW) is trained on 1 rank (``patrickstar`` against ``auto``) and on 2 CPU ranks (``patrickstar`` against ``ddp``
+and FSDP2, launched as ``benchmarks/distributed.py`` launches them: fresh ``spawn`` processes, a process group of
+their own). Reported per run, over the measured steps (the first ``--warmup`` steps dropped):
 
 - ``step_ms``: median training step, the slower rank counting;
 - ``engine_us_per_module``: PatrickStar's CPU time (``time.thread_time``, so waiting on a peer does not count)
@@ -17,7 +17,15 @@ own). Reported per run, over the measured steps (the first ``--warmup`` steps dr
 - ``collectives_per_step``: collectives PatrickStar's :class:`ChunkComm` starts per step (all-gathers,
   reduce-scatters, all-reduces, broadcasts), next to ``groups`` (chunk groups of the layout);
 - ``bytes_per_param``: model data held per rank (PatrickStar: every chunk of its memory report; auto/ddp:
-  16 bytes per parameter; FSDP2: 16 bytes per element of the rank's shards).
+  16 bytes per parameter; FSDP2: 16 bytes per element of the rank's shards);
+- ``phase_ms``: where the step's wall time goes (medians, the slower rank's), between Lightning's hooks:
+  ``forward`` (batch start to ``on_before_backward``: the training step, and a strategy's work before the
+  backward), ``backward`` (the autograd backward, with what runs inside it: DDP's all-reduce, PatrickStar's
+  per-module verbs), ``after_backward`` (``on_after_backward`` to ``on_before_optimizer_step``: the strategy's
+  ``post_backward``, where PatrickStar waits for its last reduction) and ``optimizer`` (the step, to batch end).
+
+``--precision 32-true`` trains every run in fp32: on a CPU without bf16 units (no AVX512-BF16 or AMX) torch
+emulates bf16 matmuls, whose time then dwarfs the fixed costs this script is about.
 
 Measuring wraps the manager's and the communicator's methods on their instances, in the benchmark only.
 """
@@ -25,6 +33,7 @@ Measuring wraps the manager's and the communicator's methods on their instances,
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import statistics
@@ -79,6 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=128)
+    parser.add_argument(
+        "--precision",
+        choices=("bf16-mixed", "32-true"),
+        default="bf16-mixed",
+        help="every run's precision (default: bf16-mixed; 32-true on a CPU without bf16 units, where emulated bf16"
+        " matmuls dwarf the engine's fixed costs)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs; the fastest counts (default: 1)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default: 1)")
     add_host_malloc_option(parser)
@@ -172,6 +188,44 @@ def _meter_callback(meter: EngineMeter, warmup: int) -> Any:
     return Meter()
 
 
+PHASES = ("forward", "backward", "after_backward", "optimizer")
+
+
+def _phase_callback(marks: list[list[float]]) -> Any:
+    """Wall-clock marks at the hooks between a training batch's phases (``PHASES``), one list per batch."""
+    import lightning as L
+
+    class Phases(L.Callback):
+        def __init__(self) -> None:
+            self.current: list[float] = []
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+            self.current = [time.perf_counter()]
+
+        def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+            self.current.append(time.perf_counter())
+
+        def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.current.append(time.perf_counter())
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+            self.current.append(time.perf_counter())
+
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
+        ) -> None:
+            self.current.append(time.perf_counter())
+            marks.append(self.current)
+
+    return Phases()
+
+
+def phase_medians(marks: list[list[float]]) -> dict[str, float]:
+    """Median milliseconds of each phase over the batches whose marks are complete (one of each hook)."""
+    spans = [[b - a for a, b in itertools.pairwise(m)] for m in marks if len(m) == len(PHASES) + 1]
+    return {name: statistics.median(s[i] for s in spans) * 1e3 for i, name in enumerate(PHASES)} if spans else {}
+
+
 # ---- one rank of one run (a spawned process) -------------------------------------------------------------
 
 
@@ -214,17 +268,18 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-        module = _fsdp_module_class()(bf16=True, **kwargs)
+        module = _fsdp_module_class()(bf16=args.precision == "bf16-mixed", **kwargs)
     meter = EngineMeter()
     timer = StepTimer()
+    marks: list[list[float]] = []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
-        precision="bf16-mixed",
+        precision=args.precision,
         max_steps=total,
         **QUIET_TRAINER,
-        callbacks=[timer, _meter_callback(meter, args.warmup)],
+        callbacks=[timer, _meter_callback(meter, args.warmup), _phase_callback(marks)],
     )
     trainer.fit(module, datamodule=datamodule)
     params = list(module.gpt.parameters())  # type: ignore[union-attr]
@@ -236,6 +291,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
         "step_s": statistics.median(timer.times[args.warmup :]),
         "bytes_per_param": FP32_ADAM_BYTES_PER_PARAM * local / num_params,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "phase_ms": phase_medians(marks[args.warmup :]),
     }
     if name == "patrickstar" and timer.report is not None and meter.modules:
         modules = meter.modules
@@ -270,6 +326,7 @@ def summarise(name: str, world: int, n_layer: int, ranks: list[dict[str, Any]]) 
         "params": ranks[0]["num_params"],
         "step_ms": max(r["step_s"] for r in ranks) * 1e3,
         "bytes_per_param": max(r["bytes_per_param"] for r in ranks),
+        "phase_ms": max(ranks, key=lambda r: r["step_s"])["phase_ms"],
     }
     if name == "patrickstar":
         keys = ("modules", "groups", "chunk_size", "chunk_utilisation", "collectives_by_kind")
@@ -280,13 +337,14 @@ def summarise(name: str, world: int, n_layer: int, ranks: list[dict[str, Any]]) 
     return row
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], precision: str) -> None:
     ref = {(r["world_size"], r["n_layer"]): r for r in rows if r["strategy"] in ("auto", "ddp")}
     header = (
         f"{'layers':>6} {'ranks':>5} {'strategy':<12} {'step':>9} {'vs ref':>7} {'engine/module':>13}"
         f" {'colls/step':>10} {'groups':>6} {'util':>5} {'B/param':>8}"
     )
     print()
+    print(f"precision {precision}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -300,6 +358,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['n_layer']:>6} {r['world_size']:>5} {r['strategy']:<12} {r['step_ms']:>6.1f} ms {ratio:>7}"
             f" {engine:>13} {colls:>10} {groups:>6} {util:>5} {r['bytes_per_param']:>8.2f}"
         )
+    for r in rows:  # where each run's step goes, phase by phase (the slower rank)
+        if r["phase_ms"]:
+            phases = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in r["phase_ms"].items())
+            print(f"  {r['n_layer']} layers, {r['world_size']} rank(s), {r['strategy']}: {phases} ms")
     for r in rows:  # where the engine's time goes, verb by verb (rank 0)
         if "engine_us_per_call" in r:
             verbs = ", ".join(
@@ -323,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         best = min(runs, key=lambda r: r["step_ms"])
         best["repeat_step_ms"] = [r["step_ms"] for r in runs]
         rows.append(best)
-    print_table(rows)
+    print_table(rows, args.precision)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         options = {k: str(v) for k, v in vars(args).items()}

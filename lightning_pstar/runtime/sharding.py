@@ -40,7 +40,10 @@ point every rank reaches, in an order every rank computes the same way:
   without a budget), so their backward needs no second all-gather. A kept group the forward would release is
   *parked* instead: present, but a later use in the forward counts as the out-of-order gather it would have
   been (without the collective), so the backward sweeps the groups in the same order as without keeping. A kept
-  group is released once the backward sweep has passed it, and at the end of the pass;
+  group is released once the backward sweep has passed it, and at the end of the pass; when every group is kept
+  (*holding*: no device budget, or one that holds them all beside the warm-up's peak, agreed, so every rank holds
+  alike), none is released before the end of the backward: the plan let all of them be present at every moment,
+  no group needs a second gather, and a module's backward only advances the sweep (its reductions);
 - the next group of the sweep is all-gathered asynchronously while the current one computes
   (``prefetch``): the decision depends only on the sweep, and whether prefetching fits the device budget
   is agreed once by all ranks after the warm-up iteration;
@@ -58,6 +61,12 @@ collective stays within ``bucket_bytes`` share one, as DDP's gradient buckets do
   agreed ``keep``) is the same on every rank. A group gathered ahead is entered in ``forward_gathers`` when
   the sweep reaches it, so the backward's order is the one it would be without buckets;
 - reduce-scatter: the reducer's buckets ([Note: the agreement in the reduction's buffer]).
+
+A forward that keeps every group (the plan kept them all, and prefetching fits) gathers the next bucket as soon
+as no gather is in flight, instead of one group before the sweep needs it: the bucket's transfer overlaps the
+computation of the one before it (the room is the plan's, since every kept group is present at the warm-up's
+peak anyway), and what decides it (the sweep, what is gathered or in flight) is the same on every rank, so the
+sequence of all-gathers is unchanged.
 
 Groups larger than ``bucket_bytes`` (a large model's) each keep their own collective, as before.
 """
@@ -149,6 +158,7 @@ class GroupCoordinator:
         self.keep: frozenset[int] = frozenset()  # groups a forward keeps gathered for its backward (plan)
         self.keeping: frozenset[int] = frozenset()  # ... in the current pass (none in an evaluation pass)
         self.parked: set[int] = set()  # kept groups the forward would have released: present, "released" for the order
+        self.holding = False  # this backward keeps every group until its end (every group is kept)
         self.reducer = GroupReducer(self.members, self.num_groups(), comm, grads, self.device, bucket_bytes)
         self._poison: dict[torch.Size, torch.Tensor] = {}  # NaN views by shape, in the compute dtype
         self.forward_order, self.module_position = sweep_plan(module_groups, len(families) // self.world_size)
@@ -187,6 +197,7 @@ class GroupCoordinator:
         self.position = {g: i for i, g in enumerate(self.order)}
         self.cursor = -1
         self.sweep = Sweep.BACKWARD if backward else Sweep.FORWARD
+        self.holding = False
 
     def begin_pass(self, *, training: bool = True) -> None:
         """Every rank starts a forward pass: a training micro-batch, or (``training=False``) an evaluation step,
@@ -214,6 +225,7 @@ class GroupCoordinator:
                 order.append(group)
         order += [g for g in reversed(range(self.num_groups())) if g not in seen]
         self._start_sweep(order, backward=True)
+        self.holding = len(self.keeping) == self.num_groups()  # every rank has the same keep (plan)
         self.reducer.begin(order)
         self._prefetch_next(set())  # the first group, while the loss's backward starts
 
@@ -225,6 +237,7 @@ class GroupCoordinator:
             if self.sweep is Sweep.BACKWARD:
                 self.reducer.finish()
         self.sweep = Sweep.IDLE
+        self.holding = False
         self.release_all()
 
     # ---- forward / backward access ----------------------------------------------------------------------
@@ -241,6 +254,9 @@ class GroupCoordinator:
             self.begin_pass(training=False)  # a forward outside the steps Lightning runs (a callback calling it)
         if in_backward and self.sweep is not Sweep.BACKWARD:
             self.begin_backward()  # a backward not started through the strategy (loss.backward() by hand)
+        if self.holding:  # every group is present until the backward ends: the sweep only moves on
+            self._advance_held(families, protect)
+            return
         groups = sorted({self.group_of(f) for f in families}, key=self.position.__getitem__)
         guard = protect | self.pinned | {m.family_id for g in groups for m in self.members(g)}
         if module is not None and self.sweep is Sweep.FORWARD and self.module_position[module] > self.cursor:
@@ -259,6 +275,18 @@ class GroupCoordinator:
             if self.owns(family):
                 self.residency.fetch(family, protect=protect)
 
+    def _advance_held(self, families: list[ChunkFamily], protect: set[int]) -> None:
+        """A module's access in a backward that holds every group: what :meth:`ensure_gathered` does there, where
+        no group is released (so none is gathered, prefetched or released here): the sweep moves on to the
+        module's groups (reductions that are due start), and the owned families come to the device."""
+        top = max(self.position[self.group_of(f)] for f in families)
+        if top > self.cursor:
+            groups = {self.group_of(f) for f in families}
+            self._sweep_to(top, protect | self.pinned | {m.family_id for g in groups for m in self.members(g)})
+        for family in families:
+            if self.owns(family):
+                self.residency.fetch(family, protect=protect)
+
     def _sweep_to(self, index: int, protect: set[int]) -> None:
         while self.cursor < index:
             self.cursor += 1
@@ -274,8 +302,9 @@ class GroupCoordinator:
     def _bucket(self, group: int) -> list[int]:
         """``group`` and the kept groups right after it in a forward sweep that share its all-gather ([Note:
         buckets of chunk groups]); decided from what every rank has the same. The group may be the one the sweep
-        reaches now (``start == cursor``) or the next one (a prefetch): a rank that skipped the module before it
-        reaches it by the sweep where a peer prefetched it, and both must cut the same bucket."""
+        reaches now (``start == cursor``) or one ahead of it (a prefetch: the next group, or the next bucket's first
+        when every group is kept): a rank that skipped the module before it reaches it by the sweep where a peer
+        prefetched it, and both must cut the same bucket."""
         start = self.position.get(group, -1)
         if self.sweep is not Sweep.FORWARD or not self.keeping or start < self.cursor:
             return [group]  # a backward's gathers and an out-of-order one (a tied head) go alone
@@ -357,12 +386,18 @@ class GroupCoordinator:
                 self.ahead.add(group)  # listed when the sweep reaches it (_sweep_to)
 
     def _prefetch_next(self, protect: set[int]) -> None:
-        """Start gathering the sweep's next group while the current one computes."""
+        """Start gathering the sweep's next group while the current one computes; in a forward that keeps every
+        group, the next bucket as soon as no gather is in flight ([Note: buckets of chunk groups])."""
         if not self.prefetch_enabled or self.cursor + 1 >= len(self.order):
             return
         group = self.order[self.cursor + 1]
         if group in self.gathered or group in self.inflight:
-            return
+            if self.inflight or self.sweep is not Sweep.FORWARD or len(self.keeping) < self.num_groups():
+                return
+            later = [g for g in self.order[self.cursor + 2 :] if g not in self.gathered]
+            if not later:
+                return
+            group = later[0]
         self._start_gather(group, protect)
         self.prefetches += 1
 
@@ -389,6 +424,8 @@ class GroupCoordinator:
 
     # ---- release ----------------------------------------------------------------------------------------
     def release_passed(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        if self.holding:  # a backward that holds every group releases them at its end
+            return
         # in backward a group also stays while a slot in it waits for its final gradient (a tied weight used
         # again further down), as the original releases a remote chunk
         pending = TensorState.HOLD_AFTER_FWD if self.sweep is Sweep.BACKWARD else TensorState.COMPUTE

@@ -130,6 +130,24 @@ def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
         calls = row["engine_calls_per_step"]
         assert calls["grad_ready"] > calls["pre_forward"] > 0 and set(calls) == set(row["engine_us_per_call"])
     assert rows[2]["bytes_per_param"] < rows[1]["bytes_per_param"]  # ZeRO: each rank keeps its own families
+    for row in rows.values():  # the phases split the step between Lightning's hooks: together about the step
+        phases = row["phase_ms"]
+        assert list(phases) == ["forward", "backward", "after_backward", "optimizer"], phases
+        assert all(ms >= 0 for ms in phases.values()) and phases["forward"] > 0 and phases["backward"] > 0, phases
+        assert 0.5 * row["step_ms"] < sum(phases.values()) < 1.5 * row["step_ms"], (phases, row["step_ms"])
+
+
+def test_scaling_runs_in_the_precision_it_is_given(tmp_path: Path) -> None:
+    """``benchmarks/scaling.py --precision 32-true`` (a CPU without bf16 units): the runs train in fp32, so
+    PatrickStar keeps 16 bytes of model data per parameter over the ranks (no fp32 master beside a bf16 copy),
+    at least 8 on each of two ranks, where bf16-mixed keeps 7 and a little padding."""
+    out_json = tmp_path / "scaling.json"
+    command = ["benchmarks/scaling.py", "--quick", "--strategies", "patrickstar", "--ranks", "2"]
+    out = _finish(_start([*command, "--precision", "32-true", "--json", str(out_json)]), 120)
+    report = json.loads(out_json.read_text())
+    assert report["args"]["precision"] == "32-true" and "precision 32-true" in out, out
+    (row,) = report["rows"]
+    assert row["world_size"] == 2 and 8.0 <= row["bytes_per_param"] < 9.0, row
 
 
 def test_collectives_times_every_collective_at_every_size(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from lightning_pstar.optim.optimizer import ChunkedOptimizer
 from lightning_pstar.runtime.comm import ChunkComm, profiled
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
-from lightning_pstar.runtime.sharding import GroupCoordinator, LocalSharding
+from lightning_pstar.runtime.sharding import GroupCoordinator, LocalSharding, Sweep
 from lightning_pstar.runtime.state import MicroBatch
 from tests.helpers.fake_comm import Agreement, Call, RecordingComm, label_groups
 from tests.helpers.models import N_EXPERTS, SEED, VOCAB, MoE, build_model, lm_loss
@@ -633,6 +633,52 @@ def _owned_weights(r: Rank) -> list[torch.Tensor]:
     return [rec.param.detach().clone() for rec in r.manager.records if r.manager.owns(rec.family)]
 
 
+def test_a_backward_that_keeps_every_group_releases_none_before_its_end() -> None:
+    # no budget: every group is kept, so the backward holds them all until it ends (they go with the pass): none is
+    # released while it runs, its modules gather nothing, the ranks (running different experts) still issue one
+    # sequence, and the weights are bitwise those of a run whose backward releases each group behind its sweep
+    during: list[int] = []
+
+    def script(experts: Sequence[int], *, hold: bool) -> Script:
+        def run(r: Rank) -> None:
+            if r.comm.rank == 0:
+                during.clear()  # a round of the simulation starts: only the last one's answers are agreed
+            train_step(r, tokens(experts, seed=1))  # the warm-up: nothing is kept yet
+            sharding = r.sharding
+            release, begin = sharding._release_group, sharding.begin_backward
+
+            def counted(group: int) -> None:
+                if sharding.sweep is Sweep.BACKWARD:
+                    during.append(group)
+                release(group)
+
+            def releasing() -> None:  # the reference: a backward that releases what its sweep passed
+                begin()
+                sharding.holding = False
+
+            sharding._release_group = counted  # type: ignore[method-assign]
+            if not hold:
+                sharding.begin_backward = releasing  # type: ignore[method-assign]
+            for seed in (2, 3):
+                train_step(r, tokens(experts, seed=seed))
+
+        return run
+
+    reference = simulate(moe(), [script(RANK0_EXPERTS, hold=False), script(RANK1_EXPERTS, hold=False)])
+    assert during, "the reference should release groups behind its backward sweep"
+    during.clear()
+    held = simulate(moe(), [script(RANK0_EXPERTS, hold=True), script(RANK1_EXPERTS, hold=True)])
+    calls = assert_same_sequence(held)
+    r0 = held.ranks[0]
+    groups = r0.sharding.num_groups()
+    assert r0.sharding.keep == frozenset(range(groups)) and during == []
+    for step in list(passes(calls))[1:]:
+        assert count(step, "all_gather") == groups  # the forward's, one per group: the backward gathers none
+    for a, b in zip(reference.ranks, held.ranks, strict=True):
+        for x, y in zip(_owned_weights(a), _owned_weights(b), strict=True):
+            assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("groups_per_bucket", [None, 2.5], ids=["one-bucket", "two-groups-a-bucket"])
 def test_buckets_share_collectives_and_change_neither_weights_nor_backward_order(
     groups_per_bucket: float | None,
@@ -669,6 +715,42 @@ def test_buckets_share_collectives_and_change_neither_weights_nor_backward_order
         for x, y in zip(_owned_weights(a), _owned_weights(b), strict=True):
             assert torch.equal(x, y)
     assert orders[0][-3:] == orders[bucket_bytes][-3:]
+
+
+def test_a_forward_that_keeps_every_group_gathers_the_next_bucket_while_one_computes() -> None:
+    # every group kept, buckets of about two groups: after the warm-up each bucket but the first is started as
+    # soon as the one before it is in use, several groups before the sweep needs it (a prefetch of the next group
+    # alone would start it one group ahead); the ranks issue one sequence, and the weights are bitwise those of a
+    # run without buckets (so also of one without the early start)
+    idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    ahead: list[int] = []  # groups between the cursor and a forward bucket's first group when it starts
+
+    def script(r: Rank) -> None:
+        train_step(r, idx)  # the warm-up: nothing kept, no prefetching yet
+        sharding = r.sharding
+        start = sharding._start_gather
+
+        def recorded(group: int, protect: set[int]) -> Any:
+            if sharding.sweep is Sweep.FORWARD and r.comm.rank == 0:
+                ahead.append(sharding.position[group] - sharding.cursor)
+            return start(group, protect)
+
+        sharding._start_gather = recorded  # type: ignore[method-assign]
+        train_step(r, idx)
+        train_step(r, idx)
+
+    plain = simulate(tiny_gpt, [script] * WORLD, chunk_size=GPT_CHUNK)
+    sharding = plain.ranks[0].sharding
+    largest = max(sharding.reducer._bytes(g) for g in range(sharding.num_groups()))
+    ahead.clear()
+    bucketed = simulate(tiny_gpt, [script] * WORLD, chunk_size=GPT_CHUNK, bucket_bytes=int(2.5 * largest))
+    assert_same_sequence(bucketed)
+    r0 = bucketed.ranks[0]
+    assert r0.sharding.keep == frozenset(range(r0.sharding.num_groups())) and r0.sharding.prefetch_enabled
+    assert ahead and max(ahead) >= 2, ahead  # a bucket started two or more groups before the sweep reached it
+    for a, b in zip(plain.ranks, bucketed.ranks, strict=True):
+        for x, y in zip(_owned_weights(a), _owned_weights(b), strict=True):
+            assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("bucket_bytes", [ALL_IN_ONE, 2500], ids=["one-bucket", "about-two-groups-a-bucket"])
