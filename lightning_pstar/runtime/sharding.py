@@ -226,6 +226,12 @@ class GroupCoordinator:
         order += [g for g in reversed(range(self.num_groups())) if g not in seen]
         self._start_sweep(order, backward=True)
         self.holding = len(self.keeping) == self.num_groups()  # every rank has the same keep (plan)
+        if self.holding and len(self.gathered) != self.num_groups():  # the forward kept all: none may be missing
+            missing = sorted(set(range(self.num_groups())) - self.gathered)
+            raise RuntimeError(
+                f"PatrickStar internal error: a backward that keeps every chunk group found groups {missing} not"
+                f" gathered on rank {self.rank}. HINT: please report this with the model and the training loop."
+            )
         self.reducer.begin(order)
         self._prefetch_next(set())  # the first group, while the loss's backward starts
 
@@ -392,12 +398,16 @@ class GroupCoordinator:
             return
         group = self.order[self.cursor + 1]
         if group in self.gathered or group in self.inflight:
-            if self.inflight or self.sweep is not Sweep.FORWARD or len(self.keeping) < self.num_groups():
+            every = self.num_groups()
+            if self.inflight or self.sweep is not Sweep.FORWARD or len(self.keeping) < every:
                 return
-            later = [g for g in self.order[self.cursor + 2 :] if g not in self.gathered]
-            if not later:
+            if len(self.gathered) == every:
                 return
-            group = later[0]
+            # nothing is released in such a forward: the gathered groups are a prefix of the sweep
+            later = next((g for g in self.order[self.cursor + 2 :] if g not in self.gathered), None)
+            if later is None:
+                return
+            group = later
         self._start_gather(group, protect)
         self.prefetches += 1
 
