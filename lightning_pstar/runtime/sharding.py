@@ -15,11 +15,11 @@ with a different collective of the peer and exchange the wrong chunks. So every 
 point every rank reaches, in an order every rank computes the same way:
 
 - a pass *sweeps* the groups in a fixed order: in forward the order in which the module tree first uses
-  them (:func:`sweep_plan`; a frozen embedding whose chunks the layout puts last is still swept first), and
-  in backward the reverse of the forward's gathers (the tied embedding the head used last comes first). A
-  module that needs group *g* ahead of the sweep's cursor advances the cursor to *g*, gathering every group
-  on the way: a rank that skipped an expert still gathers that expert's group when it moves past it, at the
-  same position in its sequence as the rank that ran the expert;
+  them (:func:`~lightning_pstar.runtime.sweep.sweep_plan`; a frozen embedding whose chunks the layout puts last
+  is still swept first), and in backward the reverse of the forward's gathers (the tied embedding the head used
+  last comes first). A module that needs group *g* ahead of the sweep's cursor advances the cursor to *g*,
+  gathering every group on the way: a rank that skipped an expert still gathers that expert's group when it
+  moves past it, at the same position in its sequence as the rank that ran the expert;
 - before that, a module's forward advances the sweep to the module's own place in the tree (the last group
   any module up to it first uses), so everything it does next starts at the same position on every rank,
   whichever modules a rank skipped before it;
@@ -77,7 +77,6 @@ import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
@@ -89,6 +88,7 @@ from lightning_pstar.runtime.local_sharding import LocalSharding
 from lightning_pstar.runtime.reduction import GroupReducer
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import TensorState, Tier
+from lightning_pstar.runtime.sweep import Sweep, sweep_plan
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GroupCoordinator", "LocalSharding", "Sharding", "Sweep", "make_sharding"]
 
@@ -97,17 +97,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 4 * 2**20
 """Consecutive chunk groups share a collective up to this many bytes ([Note: buckets of chunk groups]): about
 where a collective's bytes start to cost more than its latency, over NCCL and over gloo alike."""
-
-
-class Sweep(str, Enum):
-    """Where the sweep over chunk groups is ([Note: one collective sequence on every rank])."""
-
-    IDLE = "idle"
-    """No pass is under way: every remote chunk is released."""
-    FORWARD = "forward"
-    """A forward pass sweeps the groups in ascending order."""
-    BACKWARD = "backward"
-    """The backward sweeps them in the reverse order of the forward's gathers and reduces gradients."""
 
 
 @dataclass(eq=False)
@@ -264,7 +253,7 @@ class GroupCoordinator:
             self._advance_held(families, protect)
             return
         groups = sorted({self.group_of(f) for f in families}, key=self.position.__getitem__)
-        guard = protect | self.pinned | {m.family_id for g in groups for m in self.members(g)}
+        guard = self._guard(groups, protect)
         if module is not None and self.sweep is Sweep.FORWARD and self.module_position[module] > self.cursor:
             self._sweep_to(self.module_position[module], guard)
         for group in groups:
@@ -277,19 +266,25 @@ class GroupCoordinator:
                 self._gather(group, guard)  # used again after the sweep passed it (a tied head)
         self.release_passed(keep=set(groups))  # the slots of this access are not marked COMPUTE yet
         self._prefetch_next(guard)
-        for family in families:  # the owned families come to the device
-            if self.owns(family):
-                self.residency.fetch(family, protect=protect)
+        self._fetch_owned(families, protect)
 
     def _advance_held(self, families: list[ChunkFamily], protect: set[int]) -> None:
         """A module's access in a backward that holds every group: what :meth:`ensure_gathered` does there, where
         no group is released (so none is gathered, prefetched or released here): the sweep moves on to the
         module's groups (reductions that are due start), and the owned families come to the device."""
-        top = max(self.position[self.group_of(f)] for f in families)
+        groups = {self.group_of(f) for f in families}
+        top = max(self.position[g] for g in groups)
         if top > self.cursor:
-            groups = {self.group_of(f) for f in families}
-            self._sweep_to(top, protect | self.pinned | {m.family_id for g in groups for m in self.members(g)})
-        for family in families:
+            self._sweep_to(top, self._guard(groups, protect))
+        self._fetch_owned(families, protect)
+
+    def _guard(self, groups: Iterable[int], protect: set[int]) -> set[int]:
+        """Families no room may be made from while ``groups`` are gathered: ``protect``, the send buffers in flight
+        and every member of the groups."""
+        return protect | self.pinned | {m.family_id for g in groups for m in self.members(g)}
+
+    def _fetch_owned(self, families: list[ChunkFamily], protect: set[int]) -> None:
+        for family in families:  # the owned families come to the device
             if self.owns(family):
                 self.residency.fetch(family, protect=protect)
 
@@ -515,26 +510,6 @@ class GroupCoordinator:
             for record in records:
                 if not record.param.is_meta:
                     self.comm.broadcast_(record.param.data, src=0)
-
-
-def sweep_plan(module_groups: Sequence[Iterable[int]], num_groups: int) -> tuple[list[int], list[int]]:
-    """The forward sweep's order and each module's place in it, from the module tree.
-
-    ``module_groups[i]``: the chunk groups module ``i`` (in module-tree order) computes with. Groups are swept
-    in the order modules first use them (a frozen embedding whose chunks the layout puts last is still swept
-    first); groups no module uses come last. Module ``i``'s place is the last group any module up to ``i``
-    uses first, so that reaching module ``i`` means the same sweep position on every rank."""
-    order: list[int] = []
-    seen: set[int] = set()
-    positions: list[int] = []
-    for groups in module_groups:
-        for group in sorted(groups):
-            if group not in seen:
-                seen.add(group)
-                order.append(group)
-        positions.append(len(order) - 1)
-    order += [g for g in range(num_groups) if g not in seen]
-    return order, positions
 
 
 Sharding = LocalSharding | GroupCoordinator
