@@ -1,14 +1,17 @@
 """The collectives a gradient reduction can use, on two CPU ranks over gloo (why ``ChunkComm.start_reduce_scatter``
-all-reduces host tensors in place instead of reduce-scattering them).
+exchanges the parts of host tensors instead of reduce-scattering or all-reducing them: [Note: gloo's
+reduce-scatter] in ``lightning_pstar/runtime/comm.py``).
 
     python benchmarks/collectives.py                                  # 112,384 / 1,000,000 / 10,000,000 elements
     python benchmarks/collectives.py --numel 112384 --repeats 50 --json /tmp/collectives.json
 
 For each size (fp32 elements summed over ranks; each rank owns half) every rank times, after 5 warm-up calls,
 ``--repeats`` calls of each collective started asynchronously and waited for at once (wall time, rank 0's
-median): ``reduce_scatter`` with a list of inputs (what the reducer issued before), ``reduce_scatter_single``
-of one flat buffer, ``all_reduce`` of the whole flat buffer (what it issues now on host tensors: twice the
-bytes, the same sum) and, for comparison, the bf16 ``all_gather`` of one rank's half.
+median): ``reduce_scatter`` with a list of inputs (what the reducer issued first), ``reduce_scatter_single``
+of one flat buffer, ``all_reduce`` of the whole flat buffer (what it issued next: twice the bytes, the same
+sum), ``exchange (ChunkComm)``: ``ChunkComm.start_reduce_scatter`` itself, as the reducer calls it on host
+tensors now (each peer's part sent to it by ``all_to_all_single``, the received part added on ``wait()``), and,
+for comparison, the bf16 ``all_gather`` of one rank's half.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def _time_size(numel: int, world: int, repeats: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from lightning_pstar.runtime.comm import ChunkComm
+
+    comm = ChunkComm(rank=dist.get_rank(), world_size=world, group=dist.group.WORLD)
     reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     part = numel // world
     flat = torch.randn(part * world)
@@ -63,6 +69,7 @@ def _time_size(numel: int, world: int, repeats: int) -> dict[str, float]:
         "reduce_scatter(list)": lambda: dist.reduce_scatter(out, list(flat.split(part)), async_op=True),
         "reduce_scatter_single": lambda: reduce_scatter_single(out, flat, async_op=True),
         "all_reduce": lambda: dist.all_reduce(flat, async_op=True),
+        "exchange (ChunkComm)": lambda: comm.start_reduce_scatter(flat)[0],
         "all_gather(bf16 half)": lambda: dist.all_gather(gathered, half, async_op=True),
     }
     row: dict[str, float] = {}

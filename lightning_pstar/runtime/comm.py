@@ -46,6 +46,36 @@ def _backend(group: Any | None) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+class _SumOnWait:
+    """The handle of a reduce-scatter done as an exchange of parts (gloo): ``wait()`` waits for the exchange, then
+    adds the parts received from the peers into this rank's own part, once, in rank order.
+
+    [Note: gloo's reduce-scatter]
+    gloo's own reduce-scatter is slower than its all-reduce of twice the bytes, and the all-reduce (what the
+    reduction used before) sends every rank twice the bytes of the buffer's other parts. The exchange sends each
+    part once, to its owner, and the owner sums: on two CPU ranks about twice as fast as the all-reduce (1M and
+    10M fp32 elements: 1.4-1.7 against 3.4-3.9 ms, 14-16 against 25-28 ms; ``python benchmarks/collectives.py``),
+    for one part of extra room (every part at more ranks). With two ranks the sum is own + peer's, bitwise the
+    all-reduce's (fp32 addition commutes); with more it is own + the others in rank order, a fixed order where
+    gloo's ring fixes none."""
+
+    def __init__(self, work: Any, mine: torch.Tensor, received: list[torch.Tensor]) -> None:
+        self.work = work
+        self.mine = mine
+        self.received: list[torch.Tensor] | None = received
+
+    def is_completed(self) -> bool:
+        return self.received is None or bool(self.work.is_completed())
+
+    def wait(self) -> bool:
+        if self.received is not None:
+            self.work.wait()
+            for part in self.received:
+                self.mine.add_(part)
+            self.received = None  # the buffers go; a second wait adds nothing
+        return True
+
+
 class ChunkComm:
     """Collectives over one process group, for chunks."""
 
@@ -87,20 +117,31 @@ class ChunkComm:
     def start_reduce_scatter(self, flat: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Start summing ``flat`` over ranks, where part ``r`` of its ``world_size`` equal parts goes to rank
         ``r``; returns the work handle (None with one rank) and this rank's part of the sum (read it once the
-        work is done). ``flat`` must stay alive until then.
+        work's ``wait()`` returned). ``flat`` must stay alive until then.
 
-        Over NCCL a reduce-scatter. On host tensors (gloo) an all-reduce in place, whose own part this rank keeps:
-        gloo's reduce-scatter is slower than its all-reduce of twice the bytes (two CPU ranks, 112k and 10M fp32
-        elements: 1.4 against 0.6 ms, 40 against 34 ms; ``python benchmarks/collectives.py``), and the sum is the
-        same."""
+        Over NCCL a reduce-scatter. On host tensors (gloo) every rank sends each peer that peer's part
+        (``all_to_all_single``) and adds what it receives into its own part of ``flat`` when the work is waited
+        for ([Note: gloo's reduce-scatter])."""
         if not self.distributed:
             return None, flat
         self.reduced_bytes += flat.numel() * flat.element_size()
-        parts = flat.view(self.world_size, -1)
+        width, rank = self.world_size, self.rank
+        parts = flat.view(width, -1)
         group = group_for(flat.device, self.group, self.cpu_group)
         if flat.device.type == "cpu" or _backend(group) == "gloo":
-            return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), parts[self.rank]
-        output = torch.empty_like(parts[self.rank])
+            mine = parts[rank]
+            if width == 2:  # only the peer's part travels each way; one part of room for what arrives
+                peer = 1 - rank
+                received = torch.empty_like(mine)
+                splits = [0, 0]
+                splits[peer] = mine.numel()
+                work = dist.all_to_all_single(received, parts[peer], splits, splits, group=group, async_op=True)
+                return _SumOnWait(work, mine, [received]), mine
+            out = torch.empty_like(flat)  # every part, in rank order (this rank's own copied locally)
+            work = dist.all_to_all_single(out, flat, group=group, async_op=True)
+            others = [p for r, p in enumerate(out.view(width, -1)) if r != rank]
+            return _SumOnWait(work, mine, others), mine
+        output = torch.empty_like(parts[rank])
         return _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True), output
 
     def start_all_reduce_min(self, tensor: torch.Tensor) -> Any:

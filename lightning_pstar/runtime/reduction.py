@@ -28,7 +28,8 @@ one buffer (a part per rank), allocated when the bucket's first gradient arrives
 latest due step of its groups, and every group keeps its own tail (flags and counter) in it, so what the owners
 learn per group is what a reduction of the group alone tells them. A second round is one group's alone. The
 buckets follow from the backward's order and the layout, the same on every rank. Over gloo the reduce-scatter is
-an all-reduce of the same buffer (:meth:`~lightning_pstar.runtime.comm.ChunkComm.start_reduce_scatter`).
+an exchange of the buffer's parts, each owner adding what it receives
+(:meth:`~lightning_pstar.runtime.comm.ChunkComm.start_reduce_scatter`).
 """
 
 from __future__ import annotations
