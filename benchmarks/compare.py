@@ -581,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         apply_host_malloc()
         result = run_worker(RunSpec(**json.loads(args.worker)), args)
         args.result.write_text(json.dumps(result))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Lightning leaves the group alive; a gloo group torn down by the interpreter's exit sometimes aborts
+            # the process ("terminate called without an active exception", exit -6, seen on a ddp run)
+            torch.distributed.destroy_process_group()
         return 0
     cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd)  # fmt: skip

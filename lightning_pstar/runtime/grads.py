@@ -97,7 +97,7 @@ class GradStore:
             for record in records:
                 if record.slot.state not in _TO_HOLD_AFTER_BWD:
                     record.set_state(_HOLD_AFTER_BWD)  # raises, before anything is written
-        pairs = [(r, reduced[r.slot.offset : r.slot.offset + r.slot.numel].view(r.slot.shape)) for r in records]
+        pairs = [(r, r.slot.view_in(reduced)) for r in records]
         family = records[0].family
         self._write_final(family, pairs, reuse=self.mixed and final and ChunkKind.GRAD not in family.chunks)
         if final:

@@ -164,7 +164,7 @@ class GroupReducer:
             self._allocate(group)
             buf = self.local_grads[family.family_id]
         slot = record.slot
-        view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        view = slot.view_in(buf)
         slots = self.local_slots.setdefault(family.family_id, set())
         if record.index in slots:  # a second gradient in this backward (a module recomputed inside it), not sent yet
             view.add_(grad)

@@ -262,3 +262,21 @@ def test_repr_names_tier() -> None:
     assert "released" in repr(chunk)
     chunk.allocate(Tier.HOST)
     assert "host" in repr(chunk) and "kind=param" in repr(chunk)
+
+
+@pytest.mark.parametrize(
+    ("shape", "offset"),
+    [((2, 3), 0), ((4,), 5), ((), 2), ((2, 0, 3), 7), ((2, 3, 4), 1), ((1, 1, 5), 9)],
+)
+def test_a_slot_view_in_a_buffer_is_the_slice_viewed_as_the_parameter(shape: tuple[int, ...], offset: int) -> None:
+    """``Slot.view_in`` (one ``as_strided``) against the plain slice and view, in a buffer that is itself a view of a
+    larger one (a rank's part of a gradient bucket): same elements, shape, strides and storage, writes shared."""
+    whole = torch.arange(100, dtype=torch.float32)
+    buffer = whole[10:70]
+    size = torch.Size(shape)
+    slot = Slot(name="w", offset=offset, numel=size.numel(), shape=size)
+    got, want = slot.view_in(buffer), buffer[offset : offset + size.numel()].view(size)
+    assert (got.shape, got.stride(), got.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
+    assert got.untyped_storage().data_ptr() == want.untyped_storage().data_ptr() and torch.equal(got, want)
+    got.fill_(-1.0)
+    assert torch.equal(want, torch.full(size, -1.0)) and int((whole == -1.0).sum()) == size.numel()
