@@ -253,7 +253,10 @@ class GroupCoordinator:
             self._advance_held(families, protect)
             return
         groups = sorted({self.group_of(f) for f in families}, key=self.position.__getitem__)
-        guard = self._guard(groups, protect)
+        # every group present and none in flight: nothing is gathered below, so no room is made (no guard), and
+        # there is nothing to prefetch
+        present = not self.inflight and len(self.gathered) == self.num_groups()
+        guard = protect if present else self._guard(groups, protect)
         if module is not None and self.sweep is Sweep.FORWARD and self.module_position[module] > self.cursor:
             self._sweep_to(self.module_position[module], guard)
         for group in groups:
@@ -265,7 +268,8 @@ class GroupCoordinator:
             elif group not in self.gathered:
                 self._gather(group, guard)  # used again after the sweep passed it (a tied head)
         self.release_passed(keep=set(groups))  # the slots of this access are not marked COMPUTE yet
-        self._prefetch_next(guard)
+        if not present:
+            self._prefetch_next(guard)
         self._fetch_owned(families, protect)
 
     def _advance_held(self, families: list[ChunkFamily], protect: set[int]) -> None:
