@@ -7,14 +7,20 @@ checkpoints), and ``--host-malloc`` (:func:`add_host_malloc_option`). Used by ev
 not a public module.
 
 [Note: --host-malloc cached]
-On a CPU the simulated DEVICE tier is host memory from glibc's malloc. A block PatrickStar frees at the end of a
-pass (a released remote chunk, a reduction's buffer) is often handed back to the kernel (the heap's top is
-trimmed, large blocks are mmap'ed) and its pages fault in again, zeroed, at the next step's allocation; DDP keeps
-its gradient buckets for the whole run and barely pays it. On a GPU none of this happens: CUDA's caching
-allocator keeps freed blocks for the process. ``--host-malloc cached`` makes glibc keep freed memory too
-(``mallopt``: no trimming, no mmap below 32 MiB) in every rank of every strategy of the run, so CPU step times
-compare the strategies' work rather than the kernel's page faults; ``default`` (the default) leaves malloc as
-it is. Peak RSS is a high-water mark either way.
+On a CPU the simulated DEVICE tier, the activations and every transient buffer are host memory from glibc's
+malloc, which hands freed blocks back to the kernel (trimming the heap's top, unmapping large blocks); their pages
+fault in again, zeroed, at the next step. On a GPU CUDA's caching allocator keeps freed blocks for the process, and
+on a CPU run PatrickStar tells glibc the same by default (``memory.host_malloc="cached"``, [Note: host malloc] in
+``lightning_pstar/host_malloc.py``). ``--host-malloc`` picks what every rank of a run does:
+
+- ``default``: every strategy as it ships (PatrickStar keeps freed memory, ``auto``, ``ddp`` and FSDP2 leave glibc
+  as it is), which is what a user of each gets;
+- ``cached``: every rank of every strategy keeps freed memory, so CPU step times compare the strategies' work
+  rather than page faults;
+- ``system``: none does (PatrickStar runs with ``host_malloc="system"``), PatrickStar's figures before it kept
+  freed memory.
+
+Peak RSS is a high-water mark either way.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ __all__ = [
     "free_port",
     "importable_env",
     "make_repo_importable",
+    "pstar_host_malloc",
     "rank_env",
     "repo_root",
     "run_ranks",
@@ -55,18 +62,17 @@ QUIET_TRAINER: dict[str, Any] = {
 
 
 _HOST_MALLOC_ENV = "PSTAR_BENCH_HOST_MALLOC"
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def add_host_malloc_option(parser: Any) -> None:
-    """``--host-malloc {default,cached}`` ([Note: --host-malloc cached]); call :func:`apply_host_malloc` with the
-    parsed value before starting ranks."""
+    """``--host-malloc {default,cached,system}`` ([Note: --host-malloc cached]); call :func:`apply_host_malloc`
+    with the parsed value before starting ranks."""
     parser.add_argument(
         "--host-malloc",
-        choices=["default", "cached"],
+        choices=["default", "cached", "system"],
         default="default",
-        help="cached: glibc keeps freed host memory in every rank, as CUDA's caching allocator keeps device memory"
-        " (default: glibc's own behaviour)",
+        help="default: each strategy as it ships (PatrickStar keeps freed host memory on a CPU); cached: every"
+        " rank keeps it, as CUDA's caching allocator keeps device memory; system: no rank does",
     )
 
 
@@ -78,13 +84,16 @@ def apply_host_malloc(mode: str | None = None) -> None:
         return
     if os.environ.get(_HOST_MALLOC_ENV, "default") != "cached":
         return
-    import ctypes
-    import ctypes.util
+    from lightning_pstar.host_malloc import keep_freed_host_memory
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None or not (mallopt(_M_TRIM_THRESHOLD, 2**30) and mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)):
+    if not keep_freed_host_memory():
         raise SystemExit("--host-malloc cached needs glibc's mallopt, which this C library does not provide")
+
+
+def pstar_host_malloc() -> dict[str, str]:
+    """``PatrickStarStrategy`` keywords for the run's ``--host-malloc``: ``host_malloc="system"`` under "system",
+    nothing otherwise (its default keeps freed memory on a CPU, and "cached" already set it)."""
+    return {"host_malloc": "system"} if os.environ.get(_HOST_MALLOC_ENV) == "system" else {}
 
 
 def repo_root() -> str:

@@ -89,6 +89,7 @@ from _launch import (  # noqa: E402
     apply_host_malloc,
     free_port,
     importable_env,
+    pstar_host_malloc,
     rank_env,
 )
 from gpu_peers import FSDPGPTModule, FSDPStrategy  # noqa: E402
@@ -202,7 +203,7 @@ def build_run(spec: RunSpec, args: argparse.Namespace) -> tuple[L.LightningModul
         return module, FSDPStrategy(offload=spec.offload, data_parallel_size=spec.world_size)
     module = GPTLightningModule(**sizes, fused=True, meta_init=True)
     if spec.strategy == "patrickstar":
-        return module, PatrickStarStrategy(device_memory_limit=spec.device_memory_limit)
+        return module, PatrickStarStrategy(device_memory_limit=spec.device_memory_limit, **pstar_host_malloc())
     return module, spec.strategy
 
 

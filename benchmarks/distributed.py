@@ -48,6 +48,7 @@ from _launch import (  # noqa: E402
     add_host_malloc_option,
     apply_host_malloc,
     make_repo_importable,
+    pstar_host_malloc,
     run_ranks,
 )
 
@@ -162,7 +163,7 @@ def train_rank(rank: int, args: argparse.Namespace, name: str) -> dict[str, Any]
     }
     strategy: Any
     if name == "patrickstar":
-        strategy = PatrickStarStrategy(chunk_size=args.chunk_size)
+        strategy = PatrickStarStrategy(chunk_size=args.chunk_size, **pstar_host_malloc())
         module: L.LightningModule = GPTLightningModule(**model_kwargs)
     elif name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy

@@ -23,6 +23,9 @@ their own). Reported per run, over the measured steps (the first ``--warmup`` st
   backward), ``backward`` (the autograd backward, with what runs inside it: DDP's all-reduce, PatrickStar's
   per-module verbs), ``after_backward`` (``on_after_backward`` to ``on_before_optimizer_step``: the strategy's
   ``post_backward``, where PatrickStar waits for its last reduction) and ``optimizer`` (the step, to batch end).
+- ``page_faults_per_step``: the process's minor page faults from batch start to batch end (median, the busiest
+  rank): pages the C library handed back to the kernel and faulted in again ([Note: --host-malloc cached] in
+  ``benchmarks/_launch.py``; ``--host-malloc system`` shows PatrickStar without its cached host memory).
 
 ``--precision 32-true`` trains every run in fp32: on a CPU without bf16 units (no AVX512-BF16 or AMX) torch
 emulates bf16 matmuls, whose time then dwarfs the fixed costs this script is about.
@@ -48,6 +51,7 @@ from _launch import (  # noqa: E402
     add_host_malloc_option,
     apply_host_malloc,
     make_repo_importable,
+    pstar_host_malloc,
     run_ranks,
 )
 from distributed import _fsdp_module_class  # noqa: E402
@@ -191,15 +195,18 @@ def _meter_callback(meter: EngineMeter, warmup: int) -> Any:
 PHASES = ("forward", "backward", "after_backward", "optimizer")
 
 
-def _phase_callback(marks: list[list[float]]) -> Any:
-    """Wall-clock marks at the hooks between a training batch's phases (``PHASES``), one list per batch."""
+def _phase_callback(marks: list[list[float]], faults: list[int]) -> Any:
+    """Wall-clock marks at the hooks between a training batch's phases (``PHASES``), one list per batch, and the
+    process's minor page faults from batch start to batch end, one count per batch."""
     import lightning as L
 
     class Phases(L.Callback):
         def __init__(self) -> None:
             self.current: list[float] = []
+            self.faults_at_start = 0
 
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+            self.faults_at_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             self.current = [time.perf_counter()]
 
         def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
@@ -216,6 +223,7 @@ def _phase_callback(marks: list[list[float]]) -> Any:
         ) -> None:
             self.current.append(time.perf_counter())
             marks.append(self.current)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults_at_start)
 
     return Phases()
 
@@ -259,7 +267,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
     strategy: Any = "auto"
     module: L.LightningModule = GPTLightningModule(**kwargs)
     if name == "patrickstar":
-        strategy = PatrickStarStrategy()
+        strategy = PatrickStarStrategy(**pstar_host_malloc())
     elif name == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -272,6 +280,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
     meter = EngineMeter()
     timer = StepTimer()
     marks: list[list[float]] = []
+    faults: list[int] = []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
@@ -279,7 +288,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
         precision=args.precision,
         max_steps=total,
         **QUIET_TRAINER,
-        callbacks=[timer, _meter_callback(meter, args.warmup), _phase_callback(marks)],
+        callbacks=[timer, _meter_callback(meter, args.warmup), _phase_callback(marks, faults)],
     )
     trainer.fit(module, datamodule=datamodule)
     params = list(module.gpt.parameters())  # type: ignore[union-attr]
@@ -292,6 +301,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
         "bytes_per_param": FP32_ADAM_BYTES_PER_PARAM * local / num_params,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "phase_ms": phase_medians(marks[args.warmup :]),
+        "page_faults_per_step": statistics.median(faults[args.warmup :]) if faults[args.warmup :] else None,
     }
     if name == "patrickstar" and timer.report is not None and meter.modules:
         modules = meter.modules
@@ -327,6 +337,7 @@ def summarise(name: str, world: int, n_layer: int, ranks: list[dict[str, Any]]) 
         "step_ms": max(r["step_s"] for r in ranks) * 1e3,
         "bytes_per_param": max(r["bytes_per_param"] for r in ranks),
         "phase_ms": max(ranks, key=lambda r: r["step_s"])["phase_ms"],
+        "page_faults_per_step": max((r["page_faults_per_step"] or 0) for r in ranks),
     }
     if name == "patrickstar":
         keys = ("modules", "groups", "chunk_size", "chunk_utilisation", "collectives_by_kind")
@@ -361,7 +372,8 @@ def print_table(rows: list[dict[str, Any]], precision: str) -> None:
     for r in rows:  # where each run's step goes, phase by phase (the slower rank)
         if r["phase_ms"]:
             phases = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in r["phase_ms"].items())
-            print(f"  {r['n_layer']} layers, {r['world_size']} rank(s), {r['strategy']}: {phases} ms")
+            faults = f"; {r['page_faults_per_step']:,.0f} minor page faults per step"
+            print(f"  {r['n_layer']} layers, {r['world_size']} rank(s), {r['strategy']}: {phases} ms{faults}")
     for r in rows:  # where the engine's time goes, verb by verb (rank 0)
         if "engine_us_per_call" in r:
             verbs = ", ".join(

@@ -5,7 +5,7 @@ structured configs and Hydra YAML files are validated by the same code::
 
     PStarConfig
       chunks            ChunkConfig           size, cpu_embedding, bucket_bytes
-      memory            MemoryConfig          device_limit, host_limit, device_fraction, host_fraction
+      memory            MemoryConfig          device_limit, host_limit, device_fraction, host_fraction, host_malloc
       placement         PlacementConfig       policy, static_chunk_fraction, warmup_chunk_fraction
       mixed_precision   MixedPrecisionConfig  frozen_master, loss_scale (LossScaleConfig)
       checkpoint        CheckpointFormat      consolidated | sharded
@@ -44,6 +44,7 @@ __all__ = [
     "SUPPORTED_PRECISIONS",
     "CheckpointFormat",
     "ChunkConfig",
+    "HostMalloc",
     "LossScaleConfig",
     "MAX_CHUNK_ELEMENTS",
     "MemoryConfig",
@@ -95,6 +96,20 @@ class CheckpointFormat(_ValueEnum):
     world size; ``python -m lightning_pstar.consolidate DIR OUT.ckpt`` turns it into one file."""
     consolidated = "consolidated"  # alias, see [Note: enums in OmegaConf]
     sharded = "sharded"  # alias
+
+
+class HostMalloc(_ValueEnum):
+    """What the C library does with host memory freed on a CPU run ([Note: host malloc] in
+    :mod:`lightning_pstar.host_malloc`)."""
+
+    CACHED = "cached"
+    """On a CPU (the simulated device) glibc keeps freed memory for the process, as CUDA's caching allocator
+    keeps device memory: no mmap below 32 MiB, no trimming of the heap below 1 GiB. Applied once per process
+    when the engine is built on a CPU; nothing changes on a GPU run."""
+    SYSTEM = "system"
+    """The C library as the process has it."""
+    cached = "cached"  # alias, see [Note: enums in OmegaConf]
+    system = "system"  # alias
 
 
 # ---- the sections ------------------------------------------------------------------------------------------
@@ -177,12 +192,17 @@ class MemoryConfig:
     """Share of the accelerator's total memory used as the default device budget, in (0, 1]."""
     host_fraction: float = 0.8
     """Share of host RAM used as the default host budget, in (0, 1]."""
+    host_malloc: HostMalloc = HostMalloc.CACHED
+    """"cached" (the default): on a CPU run glibc keeps the host memory a step frees for the next one, so the
+    simulated device does not fault its pages in again every step; "system": leave the C library as it is.
+    See :class:`HostMalloc`."""
 
     def __post_init__(self) -> None:
         self.device_limit = _byte_limit(self.device_limit, name="memory.device_limit")
         self.host_limit = _byte_limit(self.host_limit, name="memory.host_limit")
         self.device_fraction = _fraction(self.device_fraction, name="memory.device_fraction")
         self.host_fraction = _fraction(self.host_fraction, name="memory.host_fraction")
+        self.host_malloc = HostMalloc.coerce(self.host_malloc, name="memory.host_malloc")
 
     @property
     def device_limit_bytes(self) -> int | None:
@@ -366,6 +386,7 @@ class PStarOptions(TypedDict, total=False):
     host_memory_limit: int | str | None
     device_memory_fraction: float
     host_memory_fraction: float
+    host_malloc: HostMalloc | str
     placement: Placement | str
     static_chunk_fraction: float
     warmup_chunk_fraction: float
@@ -382,6 +403,7 @@ FLAT_OPTIONS: Mapping[str, str] = {
     "host_memory_limit": "memory.host_limit",
     "device_memory_fraction": "memory.device_fraction",
     "host_memory_fraction": "memory.host_fraction",
+    "host_malloc": "memory.host_malloc",
     "placement": "placement.policy",
     "static_chunk_fraction": "placement.static_chunk_fraction",
     "warmup_chunk_fraction": "placement.warmup_chunk_fraction",

@@ -20,7 +20,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pstar.checkpoint import restore_family
-from lightning_pstar.config import PStarConfig, check_option_names
+from lightning_pstar.config import HostMalloc, PStarConfig, check_option_names
+from lightning_pstar.host_malloc import keep_freed_host_memory
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import ChunkPrecision
 from lightning_pstar.report import MemoryReport, format_bytes
@@ -150,6 +151,8 @@ def build_engine(
         local_world_size=local_world_size,
         accumulates=accumulates,
     )  # plans and validates; nothing has changed yet
+    if device.type == "cpu" and config.memory.host_malloc is HostMalloc.CACHED:
+        keep_freed_host_memory()  # [Note: host malloc]
     manager.materialise()
     move_buffers(module, device)
     hooks = ModelHooks(manager)

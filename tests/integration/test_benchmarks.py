@@ -135,6 +135,8 @@ def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
         assert list(phases) == ["forward", "backward", "after_backward", "optimizer"], phases
         assert all(ms >= 0 for ms in phases.values()) and phases["forward"] > 0 and phases["backward"] > 0, phases
         assert 0.5 * row["step_ms"] < sum(phases.values()) < 1.5 * row["step_ms"], (phases, row["step_ms"])
+        assert isinstance(row["page_faults_per_step"], (int, float)) and row["page_faults_per_step"] >= 0, row
+    assert "minor page faults per step" in out, out
 
 
 def test_scaling_runs_in_the_precision_it_is_given(tmp_path: Path) -> None:
@@ -143,9 +145,11 @@ def test_scaling_runs_in_the_precision_it_is_given(tmp_path: Path) -> None:
     at least 8 on each of two ranks, where bf16-mixed keeps 7 and a little padding."""
     out_json = tmp_path / "scaling.json"
     command = ["benchmarks/scaling.py", "--quick", "--strategies", "patrickstar", "--ranks", "2"]
+    command += ["--host-malloc", "system"]  # PatrickStar told to leave glibc as it is (_launch.pstar_host_malloc)
     out = _finish(_start([*command, "--precision", "32-true", "--json", str(out_json)]), 120)
     report = json.loads(out_json.read_text())
     assert report["args"]["precision"] == "32-true" and "precision 32-true" in out, out
+    assert report["args"]["host_malloc"] == "system"
     (row,) = report["rows"]
     assert row["world_size"] == 2 and 8.0 <= row["bytes_per_param"] < 9.0, row
 

@@ -35,6 +35,7 @@ BAD: dict[str, list[Any]] = {
     "frozen_master": ["yes", 1, None],
     "loss_scale": ["big", 5, [1]],
     "checkpoint": ["zip", None, 1, True],
+    "host_malloc": ["fast", "CACHED", "", None, 1, True],
 }
 BAD_LOSS_SCALE: dict[str, list[Any]] = {
     "initial_scale": [math.inf, math.nan, "big", 0, -1, None, True],

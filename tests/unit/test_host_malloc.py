@@ -1,0 +1,70 @@
+"""lightning_pstar.host_malloc ([Note: host malloc]): what PatrickStar tells glibc on a CPU run, once per process, and
+when the engine does it. mallopt itself is replaced by a recorder (the real one is the process's, for every test)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pstar import PatrickStarStrategy, glue, host_malloc
+from tests.helpers import TinyLM, make_loader, make_trainer
+
+
+class _Mallopt:
+    def __init__(self, result: int = 1) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.result = result
+
+    def __call__(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return self.result
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_malloc, "_applied", None)  # as in a new process
+
+
+def test_cached_sets_both_thresholds_once_per_process(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    mallopt = _Mallopt()
+    monkeypatch.setattr(host_malloc, "_mallopt", lambda: mallopt)
+    assert host_malloc.keep_freed_host_memory() and host_malloc.keep_freed_host_memory()
+    # glibc's M_MMAP_THRESHOLD (-3) and M_TRIM_THRESHOLD (-1), each once: the second call changes nothing
+    assert mallopt.calls == [(-3, 32 * 2**20), (-1, 2**30)]
+
+
+def test_a_libc_without_mallopt_is_left_alone_with_a_warning(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(host_malloc, "_mallopt", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="lightning_pstar.host_malloc"):
+        assert not host_malloc.keep_freed_host_memory()
+    assert "no mallopt" in caplog.text and "memory.host_malloc='system'" in caplog.text
+
+
+def test_a_refused_setting_reports_that_it_is_not_in_effect(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_malloc, "_mallopt", lambda: _Mallopt(result=0))
+    assert not host_malloc.keep_freed_host_memory()
+
+
+def test_the_real_libc_of_this_machine_accepts_it() -> None:
+    """glibc (the CI's and every Linux wheel's C library) has mallopt and takes both values."""
+    mallopt = host_malloc._mallopt()
+    assert mallopt is not None and mallopt(-3, 32 * 2**20) == 1 and mallopt(-1, 2**30) == 1
+
+
+@pytest.mark.parametrize(("option", "applied"), [(None, True), ("cached", True), ("system", False)])
+def test_a_cpu_run_keeps_freed_host_memory_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, option: str | None, applied: bool
+) -> None:
+    calls: list[Any] = []
+    monkeypatch.setattr(glue, "keep_freed_host_memory", lambda: calls.append(1) or True)
+    strategy = PatrickStarStrategy() if option is None else PatrickStarStrategy(host_malloc=option)
+    trainer: L.Trainer = make_trainer(strategy=strategy, max_steps=1)
+    trainer.fit(TinyLM(), make_loader())
+    assert trainer.global_step == 1 and trainer.strategy.root_device == torch.device("cpu")
+    assert calls == ([1] if applied else [])
