@@ -4,14 +4,16 @@
 On a CPU the simulated DEVICE tier, the activations and every transient buffer are host memory from the C
 library's ``malloc``. glibc hands a freed block back to the kernel when it is large (an ``mmap`` above a
 threshold that adapts to what was freed before, up to 32 MiB) or when the free space at the top of the heap
-passes a trim threshold, and the pages fault in again, zeroed, at the next allocation. What decides it is the
-order of allocations, not their sizes: under plain Lightning the gradients autograd allocates in each backward
-sit above the activations and keep the heap's top in use, while PatrickStar writes gradients into chunks and
-frees everything a step allocated, so the whole top goes back to the kernel after every step. Measured on the
-demo GPT (4 x 192, one rank, bf16-mixed, ``ru_minflt`` from batch start to the backward): 12,193 minor faults in
-every forward under PatrickStar with the system's malloc, against 0 to 4,768 under Lightning's ``auto``, and the
-forward took 58 to 63 ms against 42 to 45 (a run with Lightning's sanity validation pass first happened to keep
-the top in use, and faulted 1,800 to 3,700 times). ``python benchmarks/scaling.py`` prints the faults per step.
+passes a trim threshold, and the pages fault in again, zeroed, at the next allocation. How much goes back
+depends on the order of allocations more than on their sizes: under plain Lightning little does (one likely
+reason: the gradients autograd allocates in each backward stay alive past the step and keep the heap's top in
+use), while under PatrickStar, which writes gradients into chunks, a step's activations and buffers go back to
+the kernel and fault in again at every step (a Lightning sanity-validation pass before training changed the
+heap's layout enough to hide most of it, in one test). Measured on the
+demo GPT (4 x 192, bf16-mixed, ``python benchmarks/scaling.py --layers 4 --n-embd 192 --n-head 4 --block-size
+128 --batch-size 16 --strategies auto,ddp,patrickstar --host-malloc system``, which prints the minor page faults
+per step): PatrickStar with the system's malloc faulted 12,640 pages per step at one rank and 12,292 at two,
+against 648 for ``auto`` and 187 for ``ddp``, and its forward took 61.6 and 67.9 ms against 44.0 and 44.9.
 
 On a GPU the caching allocator keeps freed device blocks for the process. On a CPU run PatrickStar therefore
 tells glibc the same (``memory.host_malloc="cached"``, the default): no ``mmap`` below 32 MiB and no trimming
