@@ -317,6 +317,7 @@ def train_rank(rank: int, world: int, args: argparse.Namespace, name: str, n_lay
             engine_calls_per_step={k: v / args.steps for k, v in meter.calls.items() if v},
             collectives_per_step=sum(meter.collectives.values()) / args.steps,
             collectives_by_kind={k: v / args.steps for k, v in meter.collectives.items() if v},
+            host_malloc=str(strategy.config.memory.host_malloc),  # what the run's --host-malloc told it
         )
     return result
 
@@ -340,7 +341,7 @@ def summarise(name: str, world: int, n_layer: int, ranks: list[dict[str, Any]]) 
         "page_faults_per_step": max((r["page_faults_per_step"] or 0) for r in ranks),
     }
     if name == "patrickstar":
-        keys = ("modules", "groups", "chunk_size", "chunk_utilisation", "collectives_by_kind")
+        keys = ("modules", "groups", "chunk_size", "chunk_utilisation", "collectives_by_kind", "host_malloc")
         for key in (*keys, "engine_us_per_call", "engine_calls_per_step"):
             row[key] = ranks[0][key]
         row["engine_us_per_module"] = max(r["engine_us_per_module"] for r in ranks)

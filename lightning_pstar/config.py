@@ -176,7 +176,8 @@ def _bucket_bytes(value: object) -> int:
 
 @dataclass(kw_only=True)
 class MemoryConfig:
-    """Byte budgets of the two tiers. Limits accept an int (bytes) or a string with a unit ("8GiB")."""
+    """Byte budgets of the two tiers, and what the C library keeps of freed host memory. Limits accept an int
+    (bytes) or a string with a unit ("8GiB")."""
 
     device_limit: int | str | None = None
     """Device memory PatrickStar may fill. Under ``placement.policy="auto"`` this is the budget for chunks
@@ -308,7 +309,7 @@ class PStarConfig:
     """How parameters are packed into chunks: ``size``, ``cpu_embedding``."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Byte budgets of the device and host tiers: ``device_limit``, ``host_limit`` and the fractions used
-    when a limit is unset."""
+    when a limit is unset; ``host_malloc``: what the C library keeps of freed host memory on a CPU run."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Which chunks sit on the device at each moment: ``policy`` and its fractions."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

@@ -19,6 +19,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_pstar import host_malloc
 from lightning_pstar.checkpoint import restore_family
 from lightning_pstar.config import HostMalloc, PStarConfig, check_option_names
 from lightning_pstar.host_malloc import keep_freed_host_memory
@@ -151,8 +152,14 @@ def build_engine(
         local_world_size=local_world_size,
         accumulates=accumulates,
     )  # plans and validates; nothing has changed yet
-    if device.type == "cpu" and config.memory.host_malloc is HostMalloc.CACHED:
-        keep_freed_host_memory()  # [Note: host malloc]
+    if device.type == "cpu":  # [Note: host malloc]
+        if config.memory.host_malloc == HostMalloc.CACHED:
+            keep_freed_host_memory()
+        elif host_malloc.applied():
+            log.warning(
+                "PatrickStar: memory.host_malloc='system', but an earlier run in this process already told glibc to"
+                " keep freed host memory, and glibc has no way back. HINT: start a new process for this run."
+            )
     manager.materialise()
     move_buffers(module, device)
     hooks = ModelHooks(manager)

@@ -19,17 +19,21 @@ On a GPU the caching allocator keeps freed device blocks for the process. On a C
 tells glibc the same (``memory.host_malloc="cached"``, the default): no ``mmap`` below 32 MiB and no trimming
 while less than 1 GiB is free at the top, once per process, when the engine is built. The setting is the
 process's (glibc has one), stays after the run, and is logged; ``memory.host_malloc="system"`` leaves the C
-library as it is. A C library without ``mallopt`` (not glibc) is left as it is, with a warning.
+library as it is (a later run in the same process cannot undo an earlier one's: it says so). Where malloc is
+the user's choice it is left alone: glibc's ``MALLOC_*_`` variables or ``glibc.malloc`` tunables in the
+environment, or jemalloc, tcmalloc or mimalloc preloaded. A C library without ``mallopt`` (not glibc) is left
+as it is, with a warning.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["KEEP_BELOW_BYTES", "TRIM_ABOVE_BYTES", "keep_freed_host_memory"]
+__all__ = ["KEEP_BELOW_BYTES", "TRIM_ABOVE_BYTES", "applied", "keep_freed_host_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +46,48 @@ TRIM_ABOVE_BYTES = 2**30
 
 _applied: bool | None = None  # None: not tried in this process
 
+_USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
 
 def _mallopt() -> Any | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+    """glibc's ``mallopt`` from the C library this process has loaded (None where it has none)."""
+    try:
+        return getattr(ctypes.CDLL(None), "mallopt", None)
+    except OSError:
         return None
-    return getattr(ctypes.CDLL(name), "mallopt", None)
 
 
-def keep_freed_host_memory() -> bool:
+def _left_to_the_user(environ: Mapping[str, str]) -> str | None:
+    """Why the process's malloc is someone else's choice (None: it is not): malloc settings of glibc's own in the
+    environment, or another allocator preloaded in place of glibc's."""
+    given = [name for name in _USER_MALLOC_ENV if name in environ]
+    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        given.append("GLIBC_TUNABLES")
+    if given:
+        return f"{', '.join(given)} set in the environment"
+    preload = environ.get("LD_PRELOAD", "")
+    other = next((name for name in _OTHER_ALLOCATORS if name in preload), None)
+    return f"{other} preloaded (LD_PRELOAD)" if other else None
+
+
+def applied() -> bool:
+    """Whether this process was told to keep freed host memory (by :func:`keep_freed_host_memory`)."""
+    return bool(_applied)
+
+
+def keep_freed_host_memory(environ: Mapping[str, str] | None = None) -> bool:
     """Tell glibc to keep freed host memory for this process ([Note: host malloc]); once per process. Returns
-    whether it is in effect: False where the C library has no ``mallopt`` or refused a parameter."""
+    whether it is in effect: False where malloc is the user's choice (glibc's malloc variables or tunables in the
+    environment, or another allocator preloaded), or the C library has no ``mallopt`` or refused a value."""
     global _applied
     if _applied is not None:
         return _applied
+    reason = _left_to_the_user(os.environ if environ is None else environ)
+    if reason is not None:
+        log.info("PatrickStar: host malloc left as it is (%s).", reason)
+        _applied = False
+        return False
     mallopt = _mallopt()
     if mallopt is None:
         log.warning(
@@ -65,13 +97,19 @@ def keep_freed_host_memory() -> bool:
         )
         _applied = False
         return False
-    # mallopt returns 1 on success, 0 on error; the order matters: setting either turns glibc's adaptive
-    # thresholds off, so both are set
-    _applied = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE_BYTES))
+    # mallopt returns 1 on success, 0 on error; setting either value turns glibc's adaptive thresholds off, so
+    # both are set
+    mmap_set = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES))
+    _applied = mmap_set and bool(mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE_BYTES))
     if _applied:
         log.info(
             "PatrickStar: glibc keeps freed host memory for this process (no mmap below 32 MiB, no trim below 1 GiB"
             " free), as CUDA's caching allocator keeps device memory; memory.host_malloc='system' leaves it as is."
+        )
+    elif mmap_set:
+        log.warning(
+            "PatrickStar: glibc took the mmap threshold (no mmap below 32 MiB) but refused the trim threshold;"
+            " freed host memory may still go back to the kernel."
         )
     else:
         log.warning("PatrickStar: glibc's mallopt refused the host-memory settings; malloc is left as it is.")

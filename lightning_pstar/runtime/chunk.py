@@ -120,6 +120,12 @@ class Slot:
         """``buffer[offset : offset + numel].view(shape)`` for a contiguous 1-D ``buffer`` laid out like the chunk
         (a chunk's storage, or a gradient buffer of its capacity), as one ``as_strided`` call: the slice and the
         view cost about four times as much, and this runs for every parameter of every step."""
+        if self.offset + self.numel > buffer.numel():  # as_strided does not check what the slice did
+            raise RuntimeError(
+                f"PatrickStar internal error: parameter '{self.name}' (elements {self.offset} to"
+                f" {self.offset + self.numel}) does not fit a buffer of {buffer.numel()} elements."
+                " HINT: please report this with the model."
+            )
         strides = _CONTIGUOUS_STRIDES.get(self.shape)
         if strides is None:
             strides = _CONTIGUOUS_STRIDES[self.shape] = _contiguous_strides(self.shape)

@@ -10,8 +10,8 @@ group, so each owner's output holds the number of ranks that were incomplete -- 
 A group reduced while some rank was incomplete gets a second round at the end of the backward with the gradients
 that arrived since (zeros where none did), and the owners add the two rounds before averaging. A slot's gradient
 from each rank travels in exactly one of the two, so the sum is the same one, up to the reduction's own order of
-additions (which neither gloo nor NCCL fixes either). The rest of the tail says which slots had a gradient on any
-rank: a slot without one is not stepped, as in torch.
+additions (which NCCL does not fix either; over gloo the owner adds in rank order). The rest of the tail says
+which slots had a gradient on any rank: a slot without one is not stepped, as in torch.
 
 Where the due steps come from: before the warm-up's plan, a group is due two steps after the sweep reached it
 (the next module's backward can start before the weight gradients of the last one are accumulated, so one step

@@ -123,7 +123,7 @@ def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
     rows = {r["world_size"]: r for r in report["rows"]}
     assert set(rows) == {1, 2} and "engine/module" in out, out
     for world, row in rows.items():
-        assert row["strategy"] == "patrickstar" and row["n_layer"] == 2
+        assert row["strategy"] == "patrickstar" and row["n_layer"] == 2 and row["host_malloc"] == "cached"
         assert row["engine_us_per_module"] > 0 and row["modules"] > 0 and row["groups"] > 0
         assert 0 < row["chunk_utilisation"] <= 1 and row["bytes_per_param"] > 0
         assert (row["collectives_per_step"] > 0) == (world == 2)
@@ -149,8 +149,8 @@ def test_scaling_runs_in_the_precision_it_is_given(tmp_path: Path) -> None:
     out = _finish(_start([*command, "--precision", "32-true", "--json", str(out_json)]), 120)
     report = json.loads(out_json.read_text())
     assert report["args"]["precision"] == "32-true" and "precision 32-true" in out, out
-    assert report["args"]["host_malloc"] == "system"
     (row,) = report["rows"]
+    assert report["args"]["host_malloc"] == "system" and row["host_malloc"] == "system", row
     assert row["world_size"] == 2 and 8.0 <= row["bytes_per_param"] < 9.0, row
 
 

@@ -280,3 +280,12 @@ def test_a_slot_view_in_a_buffer_is_the_slice_viewed_as_the_parameter(shape: tup
     assert got.untyped_storage().data_ptr() == want.untyped_storage().data_ptr() and torch.equal(got, want)
     got.fill_(-1.0)
     assert torch.equal(want, torch.full(size, -1.0)) and int((whole == -1.0).sum()) == size.numel()
+
+
+def test_a_slot_that_overruns_its_buffer_raises_instead_of_viewing_past_it() -> None:
+    """The slice it replaces raised on a slot past the buffer's end (a view of the wrong elements otherwise)."""
+    whole = torch.zeros(100)
+    slot = Slot(name="w", offset=50, numel=20, shape=torch.Size([4, 5]))
+    with pytest.raises(RuntimeError, match="internal error.*'w'.*50 to 70.*60 elements"):
+        slot.view_in(whole[:60])
+    assert slot.view_in(whole[:70]).shape == (4, 5)

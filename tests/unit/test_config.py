@@ -16,6 +16,7 @@ from lightning_pstar.config import (
     SUPPORTED_PRECISIONS,
     CheckpointFormat,
     ChunkConfig,
+    HostMalloc,
     LossScaleConfig,
     MemoryConfig,
     MixedPrecisionConfig,
@@ -105,6 +106,7 @@ def test_enums_print_their_values_and_iterate_once() -> None:
     assert [c.value for c in CheckpointFormat] == ["consolidated", "sharded"]
     assert f"{Placement.STATIC}" == "static" and Placement.STATIC == "static"
     assert CheckpointFormat.SHARDED == "sharded"
+    assert [h.value for h in HostMalloc] == ["cached", "system"] and f"{HostMalloc.SYSTEM}" == "system"
 
 
 @pytest.mark.parametrize("value", [0, -5, "big", "0", "-5", 1.5, True, "", None, MAX_CHUNK_ELEMENTS + 1, 10**13])
@@ -486,11 +488,13 @@ def test_omegaconf_structured_schema_accepts_yaml_enum_values() -> None:
     from omegaconf import OmegaConf
 
     schema = OmegaConf.structured(PStarConfig)
-    yaml = OmegaConf.create("placement:\n  policy: static\ncheckpoint: sharded\nchunks:\n  size: 64\n")
+    yaml = OmegaConf.create(
+        "placement:\n  policy: static\ncheckpoint: sharded\nchunks:\n  size: 64\nmemory:\n  host_malloc: system\n"
+    )
     cfg = OmegaConf.to_object(OmegaConf.merge(schema, yaml))
     assert isinstance(cfg, PStarConfig)
     assert cfg.placement.policy is Placement.STATIC and cfg.checkpoint is CheckpointFormat.SHARDED
-    assert cfg.chunks.size == 64
+    assert cfg.chunks.size == 64 and cfg.memory.host_malloc is HostMalloc.SYSTEM
 
 
 @pytest.mark.parametrize(
