@@ -124,3 +124,21 @@ def test_a_cpu_run_keeps_freed_host_memory_unless_told_otherwise(
     trainer.fit(TinyLM(), make_loader())
     assert trainer.global_step == 1 and trainer.strategy.root_device == torch.device("cpu")
     assert calls == ([1] if applied else [])
+
+
+@pytest.mark.parametrize(("option", "applied"), [(None, True), ("system", False)])
+def test_a_fabric_cpu_run_goes_through_the_same_switch(
+    monkeypatch: pytest.MonkeyPatch, option: str | None, applied: bool
+) -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_pstar.fabric import PatrickStarFabricStrategy
+    from tests.helpers import FlatGPT
+
+    calls: list[Any] = []
+    monkeypatch.setattr(glue, "keep_freed_host_memory", lambda: calls.append(1) or True)
+    strategy = PatrickStarFabricStrategy() if option is None else PatrickStarFabricStrategy(host_malloc=option)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    fabric.setup_module(FlatGPT())
+    assert calls == ([1] if applied else [])
