@@ -121,14 +121,15 @@ class ChunkComm:
 
         Over NCCL a reduce-scatter. On host tensors (gloo) every rank sends each peer that peer's part
         (``all_to_all_single``) and adds what it receives into its own part of ``flat`` when the work is waited
-        for ([Note: gloo's reduce-scatter])."""
+        for ([Note: gloo's reduce-scatter]). CUDA tensors over a gloo group (``process_group_backend="gloo"`` on
+        GPUs) are all-reduced in place, as before the exchange: the exchange has been measured on CPUs only."""
         if not self.distributed:
             return None, flat
         self.reduced_bytes += flat.numel() * flat.element_size()
         width, rank = self.world_size, self.rank
         parts = flat.view(width, -1)
         group = group_for(flat.device, self.group, self.cpu_group)
-        if flat.device.type == "cpu" or _backend(group) == "gloo":
+        if flat.device.type == "cpu":
             mine = parts[rank]
             if width == 2:  # only the peer's part travels each way; one part of room for what arrives
                 peer = 1 - rank
@@ -141,6 +142,8 @@ class ChunkComm:
             work = dist.all_to_all_single(out, flat, group=group, async_op=True)
             others = [p for r, p in enumerate(out.view(width, -1)) if r != rank]
             return _SumOnWait(work, mine, others), mine
+        if _backend(group) == "gloo":
+            return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), parts[rank]
         output = torch.empty_like(parts[rank])
         return _reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True), output
 

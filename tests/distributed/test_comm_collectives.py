@@ -23,9 +23,10 @@ def _inputs(rank: int, world: int, device: torch.device) -> torch.Tensor:
     return torch.randn(world * PART, generator=g).to(device)
 
 
-def _collectives(rank: int, world: int, backend: str) -> dict[str, Any]:
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
+def _collectives(rank: int, world: int, backend: str, on_cuda: bool) -> dict[str, Any]:
+    # NCCL: a device per rank; CUDA tensors over gloo: the ranks may share one device
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if on_cuda else torch.device("cpu")
+    if on_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
@@ -51,13 +52,20 @@ def _collectives(rank: int, world: int, backend: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("backend", "world"),
+    ("backend", "world", "on_cuda"),
     [
-        ("gloo", 2),
-        ("gloo", 3),
+        ("gloo", 2, False),
+        ("gloo", 3, False),
+        pytest.param(  # process_group_backend="gloo" on GPUs: the in-place all-reduce
+            "gloo",
+            2,
+            True,
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        ),
         pytest.param(
             "nccl",
             2,
+            True,
             marks=[
                 pytest.mark.gpu,
                 pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices (one per rank)"),
@@ -65,8 +73,8 @@ def _collectives(rank: int, world: int, backend: str) -> dict[str, Any]:
         ),
     ],
 )
-def test_bucket_collectives_give_each_rank_its_parts_sum(backend: str, world: int) -> None:
-    results = run_ranks(_collectives, world, backend, timeout=300)
+def test_bucket_collectives_give_each_rank_its_parts_sum(backend: str, world: int, on_cuda: bool) -> None:
+    results = run_ranks(_collectives, world, backend, on_cuda, timeout=300)
     for rank, got in enumerate(results):
         assert got["reduced_close"], rank
         if world == 2:
