@@ -19,9 +19,9 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_pstar import host_malloc
 from lightning_pstar.checkpoint import restore_family
 from lightning_pstar.config import HostMalloc, PStarConfig, check_option_names
+from lightning_pstar.host_malloc import applied as host_malloc_applied
 from lightning_pstar.host_malloc import keep_freed_host_memory
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import ChunkPrecision
@@ -155,7 +155,7 @@ def build_engine(
     if device.type == "cpu":  # [Note: host malloc]
         if config.memory.host_malloc == HostMalloc.CACHED:
             keep_freed_host_memory()
-        elif host_malloc.applied():
+        elif host_malloc_applied():
             log.warning(
                 "PatrickStar: memory.host_malloc='system', but an earlier run in this process already told glibc to"
                 " keep freed host memory, and glibc has no way back. HINT: start a new process for this run."

@@ -10,9 +10,11 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.fabric import Fabric
 
 from lightning_pstar import PatrickStarStrategy, glue, host_malloc
-from tests.helpers import TinyLM, make_loader, make_trainer
+from lightning_pstar.fabric import PatrickStarFabricStrategy
+from tests.helpers import FlatGPT, TinyLM, make_loader, make_trainer
 
 
 class _Mallopt:
@@ -113,14 +115,23 @@ def test_system_after_cached_in_one_process_says_it_cannot_undo_it(
     assert "memory.host_malloc='system'" in caplog.text and "no way back" in caplog.text
 
 
+def _record_the_switch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The engine's calls of ``keep_freed_host_memory`` (recorded, not made)."""
+    calls: list[int] = []
+    monkeypatch.setattr(glue, "keep_freed_host_memory", lambda: calls.append(1) or True)
+    return calls
+
+
+def _options(option: str | None) -> dict[str, Any]:
+    return {} if option is None else {"host_malloc": option}
+
+
 @pytest.mark.parametrize(("option", "applied"), [(None, True), ("cached", True), ("system", False)])
 def test_a_cpu_run_keeps_freed_host_memory_unless_told_otherwise(
     monkeypatch: pytest.MonkeyPatch, option: str | None, applied: bool
 ) -> None:
-    calls: list[Any] = []
-    monkeypatch.setattr(glue, "keep_freed_host_memory", lambda: calls.append(1) or True)
-    strategy = PatrickStarStrategy() if option is None else PatrickStarStrategy(host_malloc=option)
-    trainer: L.Trainer = make_trainer(strategy=strategy, max_steps=1)
+    calls = _record_the_switch(monkeypatch)
+    trainer: L.Trainer = make_trainer(strategy=PatrickStarStrategy(**_options(option)), max_steps=1)
     trainer.fit(TinyLM(), make_loader())
     assert trainer.global_step == 1 and trainer.strategy.root_device == torch.device("cpu")
     assert calls == ([1] if applied else [])
@@ -130,15 +141,8 @@ def test_a_cpu_run_keeps_freed_host_memory_unless_told_otherwise(
 def test_a_fabric_cpu_run_goes_through_the_same_switch(
     monkeypatch: pytest.MonkeyPatch, option: str | None, applied: bool
 ) -> None:
-    from lightning.fabric import Fabric
-
-    from lightning_pstar.fabric import PatrickStarFabricStrategy
-    from tests.helpers import FlatGPT
-
-    calls: list[Any] = []
-    monkeypatch.setattr(glue, "keep_freed_host_memory", lambda: calls.append(1) or True)
-    strategy = PatrickStarFabricStrategy() if option is None else PatrickStarFabricStrategy(host_malloc=option)
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    calls = _record_the_switch(monkeypatch)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=PatrickStarFabricStrategy(**_options(option)))
     fabric.launch()
     fabric.setup_module(FlatGPT())
     assert calls == ([1] if applied else [])
