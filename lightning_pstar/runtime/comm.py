@@ -9,6 +9,7 @@ and no process group is needed.
 from __future__ import annotations
 
 import atexit
+import logging
 import weakref
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -22,6 +23,7 @@ from lightning_pstar.planning.layout import group_of, owner_of
 __all__ = ["ChunkComm", "group_for", "group_of", "owner_of", "profiled"]
 
 _profiling = torch._C._autograd._profiler_enabled
+log = logging.getLogger(__name__)
 
 
 def profiled(name: str) -> AbstractContextManager[Any]:
@@ -98,8 +100,11 @@ def _release_groups_at_exit() -> None:
     """The exit handler of [Note: process groups at exit]."""
     for comm in list(_live_comms):
         comm.group = comm.cpu_group = None
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - the process is ending: say so, do not mask its exit status
+        log.warning("PatrickStar: destroying the process groups at exit failed: %s: %s", type(err).__name__, err)
 
 
 def _release_at_exit(comm: ChunkComm) -> None:

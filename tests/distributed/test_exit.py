@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -71,3 +72,16 @@ def test_spawned_gloo_ranks_exit_without_an_abort() -> None:
     for _ in range(2):
         # raises ProcessExitedException ("terminated with signal SIGABRT") when a rank aborts at exit
         mp.start_processes(_spawned, args=(free_port(),), nprocs=2, start_method="spawn")
+
+
+def test_a_failing_destroy_at_exit_is_logged_not_raised(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("store gone")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", broken)
+    with caplog.at_level("WARNING", logger="lightning_pstar.runtime.comm"):
+        comm_module._release_groups_at_exit()
+    assert "destroying the process groups at exit failed: RuntimeError: store gone" in caplog.text
