@@ -82,16 +82,19 @@ class _SumOnWait:
 
 # [Note: process groups at exit]
 # A gloo process group that is still alive when the interpreter finalises can abort the process ("terminate
-# called without an active exception", SIGABRT) as its threads and store go down in an arbitrary order: with
-# plain torch (2 spawned ranks, 50 gloo all-reduces, then return) about 5 exits in 12 abort, none once
-# ``destroy_process_group()`` ran first, and 7 in 12 still abort when something keeps a Python reference to the
-# group past that call (the object then outlives it). Lightning destroys the process group at exit only for
-# NCCL, and Fabric's launchers tear nothing down, so a run on gloo ranks exits with its groups alive, and our
-# engine's references would keep them alive past anyone's destroy. So the first multi-rank ChunkComm of a
-# process registers one exit handler that drops the group references of every ChunkComm still alive and then
-# destroys the process groups (what Lightning does for NCCL), while the interpreter is whole. It runs before any
-# exit handler registered earlier (Lightning's NCCL one finds nothing left to do). Processes that end by
-# ``os._exit`` skip exit handlers and do not finalise either.
+# called without an active exception", SIGABRT). A core of such an abort shows why: a gloo worker thread destroys
+# the work of a finished collective, the work's tensors hand back their Python objects, which takes the GIL, and
+# the interpreter is finalising by then, so ``take_gil`` ends the thread and its forced unwind calls
+# ``std::terminate``. With plain torch (2 spawned ranks, 50 gloo all-reduces, then return) about 5 exits in 12
+# abort, none once ``destroy_process_group()`` ran first (the groups' destructor releases the GIL and joins the
+# worker threads), and 7 in 12 still abort when something keeps a Python reference to the group past that call
+# (the object then outlives it). Lightning destroys the process group at exit only for NCCL, and Fabric's
+# launchers tear nothing down, so a run on gloo ranks exits with its groups alive, and our engine's references
+# would keep them alive past anyone's destroy. So the first multi-rank ChunkComm of a process registers one exit
+# handler that drops the group references of every ChunkComm still alive and then destroys the process groups
+# (what Lightning does for NCCL), while the interpreter is whole. It runs before any exit handler registered
+# earlier (Lightning's NCCL one finds nothing left to do). Processes that end by ``os._exit`` skip exit handlers
+# and do not finalise either.
 _live_comms: weakref.WeakSet[ChunkComm] = weakref.WeakSet()
 _exit_handler_registered = False
 
