@@ -81,20 +81,22 @@ class _SumOnWait:
 
 
 # [Note: process groups at exit]
-# A gloo process group that is still alive when the interpreter finalises can abort the process ("terminate
-# called without an active exception", SIGABRT). A core of such an abort shows why: a gloo worker thread destroys
-# the work of a finished collective, the work's tensors hand back their Python objects, which takes the GIL, and
-# the interpreter is finalising by then, so ``take_gil`` ends the thread and its forced unwind calls
-# ``std::terminate``. With plain torch (2 spawned ranks, 50 gloo all-reduces, then return) about 5 exits in 12
-# abort, none once ``destroy_process_group()`` ran first (the groups' destructor releases the GIL and joins the
-# worker threads), and 7 in 12 still abort when something keeps a Python reference to the group past that call
-# (the object then outlives it). Lightning destroys the process group at exit only for NCCL, and Fabric's
-# launchers tear nothing down, so a run on gloo ranks exits with its groups alive, and our engine's references
-# would keep them alive past anyone's destroy. So the first multi-rank ChunkComm of a process registers one exit
-# handler that drops the group references of every ChunkComm still alive and then destroys the process groups
-# (what Lightning does for NCCL), while the interpreter is whole. It runs before any exit handler registered
-# earlier (Lightning's NCCL one finds nothing left to do). Processes that end by ``os._exit`` skip exit handlers
-# and do not finalise either.
+# A gloo process group that is still alive when the interpreter finalises can abort the process ("terminate called
+# without an active exception", SIGABRT). A core of such an abort shows why: a gloo worker thread destroys the work of a
+# finished collective, the work's tensors hand back their Python objects, which takes the GIL, and the interpreter is
+# finalising by then, so ``take_gil`` ends the thread and its forced unwind calls ``std::terminate``. ``python
+# benchmarks/exit_abort.py --runs 12`` counts it: with plain torch (2 spawned ranks, 50 gloo all-reduces, then return) 6
+# exits in 12 lost a rank, none once ``destroy_process_group()`` ran first (the groups' destructor releases the GIL and
+# joins the worker threads), and 7 in 12 still did when a Python reference to the group outlived that call (the object
+# outlives it too). Lightning destroys the process group at exit only for NCCL, and Fabric's launchers tear nothing
+# down, so a run on gloo ranks exits with its groups alive, and our engine's references would keep them alive past
+# anyone's destroy. So the first multi-rank ChunkComm of a process registers one exit handler that drops the group
+# references of every ChunkComm still alive and then destroys the process groups (what Lightning does for NCCL), while
+# the interpreter is whole. It runs before any exit handler registered earlier (Lightning's NCCL one finds nothing left
+# to do). Processes that end by ``os._exit`` skip exit handlers and do not finalise either. What the handler cannot
+# release: ``torch.distributed.checkpoint`` imported after ``init_process_group`` holds references to the group that
+# ``destroy_process_group`` leaves (seen on torch 2.13), so the group outlives the handler; a Lightning run imports
+# it (with this package) before its launcher starts the process group.
 _live_comms: weakref.WeakSet[ChunkComm] = weakref.WeakSet()
 _exit_handler_registered = False
 

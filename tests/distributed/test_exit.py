@@ -5,28 +5,29 @@ the GIL; when it comes while the interpreter finalises, the thread is killed mid
 (SIGABRT, "terminate called without an active exception"), which a launcher reports as a failed rank. The exit
 handler every multi-rank ChunkComm registers drops the engine's group references and destroys the process
 groups while the interpreter is whole. The first test checks that handler directly. The second is the hazard
-itself, so it is a race: with the handler switched off, the spawned pattern below (four collectives in flight
-at a time, ``sys.setswitchinterval`` keeping the main thread on the GIL as a busy training loop does) aborted a
-rank in anything from 1 of 6 to 7 of 8 runs from batch to batch, so its two rounds catch a regression often,
-not always. With the handler it cannot abort: the groups' destructor releases the GIL and joins the worker
-threads before the interpreter finalises.
+itself, so it is a race: with the handler switched off, its pattern (``benchmarks/exit_abort.py``'s ``engine``)
+aborts a rank in some runs, not all (``python benchmarks/exit_abort.py --patterns engine-off,engine`` counts
+them), so its two rounds catch a regression often, not always. With the handler it cannot abort: the groups'
+destructor releases the GIL and joins the worker threads before the interpreter finalises.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lightning_pstar.runtime.comm as comm_module
 from lightning_pstar.runtime.comm import ChunkComm
-from tests.distributed.launch import free_port, run_ranks
+from tests.distributed.launch import run_ranks
 
-_KEEP: list[ChunkComm] = []  # what an engine does: the comm outlives the training loop
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _handler(rank: int, world: int) -> dict[str, Any]:
@@ -56,22 +57,29 @@ def test_exit_handler_drops_the_group_references_and_destroys_the_groups() -> No
         assert not r["initialized"]
 
 
-def _spawned(rank: int, port: int) -> None:
-    sys.setswitchinterval(100.0)  # the main thread keeps the GIL until it blocks
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    comm = ChunkComm(rank=rank, world_size=2, group=dist.group.WORLD)
-    _KEEP.append(comm)
-    for _ in range(20):
-        works = [comm.start_all_reduce_min(torch.ones(1000)) for _ in range(4)]
-        for work in works:
-            work.wait()
-    # returns: torch.multiprocessing's child exits through sys.exit, exit handlers, then finalisation
+@contextmanager
+def _exit_abort() -> Iterator[Any]:
+    """``benchmarks/exit_abort.py`` as a module; its directory stays importable while the spawned ranks start."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import exit_abort
+
+        yield exit_abort
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 def test_spawned_gloo_ranks_exit_without_an_abort() -> None:
-    for _ in range(2):
-        # raises ProcessExitedException ("terminated with signal SIGABRT") when a rank aborts at exit
-        mp.start_processes(_spawned, args=(free_port(),), nprocs=2, start_method="spawn")
+    # the benchmark's "engine" pattern: a kept ChunkComm, four collectives in flight at a time, the switch
+    # interval at 100 s; a run returns what ended a rank ("terminated with signal SIGABRT"), None if nothing did
+    with _exit_abort() as exit_abort:
+        assert [exit_abort.one_run("engine") for _ in range(2)] == [None, None]
+
+
+def test_exit_abort_benchmark_refuses_an_unknown_pattern(capsys: pytest.CaptureFixture[str]) -> None:
+    with _exit_abort() as exit_abort, pytest.raises(SystemExit):
+        exit_abort.parse_args(["--patterns", "engine,nope"])
+    assert "unknown ['nope']" in capsys.readouterr().err
 
 
 def test_a_failing_destroy_at_exit_is_logged_not_raised(
