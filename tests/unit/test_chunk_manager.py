@@ -677,13 +677,17 @@ def test_restore_module_gives_ordinary_parameters(dtype: torch.dtype) -> None:
     manager = _manager(model, dtype=dtype, chunk_size=128)
     manager.materialise()
     manager.add_optimizer_chunks([ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ])
-    chunk_storages = {_storage_ptr(f.param_chunk.device_buffer) for f in manager.families}
+    # Compare storage objects, not addresses: a freed chunk's address can be handed to the next family's copy
+    # (restore frees family by family). Holding the buffers keeps their StorageImpls alive, so no parameter can
+    # be given one of them by reuse; only by aliasing.
+    held = [f.param_chunk.device_buffer for f in manager.families]
+    chunk_storages = {b.untyped_storage()._cdata for b in held}
     restore_module(manager, CPU)
     assert model.head.weight is model.emb.weight
     for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert isinstance(p, nn.Parameter) and p.requires_grad
         assert p.dtype == torch.float32 and p.device == CPU
-        assert _storage_ptr(p) not in chunk_storages
+        assert p.untyped_storage()._cdata not in chunk_storages
         assert p.untyped_storage().nbytes() == p.numel() * 4
         assert torch.equal(p.detach(), ref.detach()), name
     assert all(c.tier is None for c in manager.table.iter_chunks())
