@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_pstar import PatrickStarStrategy
 from tests.helpers.data import make_dataset
 from tests.helpers.models import N_EMBD, SEED, VOCAB, FlatGPT
-from tests.helpers.runs import quiet_trainer_options
+from tests.helpers.runs import quiet_trainer_options, release_process_group_at_exit
 
 # ---- model --------------------------------------------------------------------------------------------------
 
@@ -111,6 +111,7 @@ class RecordingModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         torch.set_num_threads(1)  # two ranks share two cores
+        release_process_group_at_exit()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         spec = self.spec

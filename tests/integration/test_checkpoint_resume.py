@@ -656,12 +656,13 @@ def test_consolidate_command(full_runs: Any, tmp_path: Path) -> None:
         )
         for name, argv in calls.items()
     }
-    results = {name: (p.wait(timeout=120), *p.communicate()) for name, p in procs.items()}
-    code, out, err = results["good"]
+    # communicate, not wait: a child that fills its pipe would block on it; the timeout only guards a hang
+    results = {name: (*p.communicate(timeout=600), p.returncode) for name, p in procs.items()}
+    out, err, code = results["good"]
     assert code == 0, err
     assert str(good_out) in out
     for name, missing in (("no-such-dir", "nowhere"), ("incomplete", data_file.name)):
-        code, out, err = results[name]
+        out, err, code = results[name]
         assert code == 2, (name, code, err)
         assert "error" in err and missing in err and "Traceback" not in err, (name, err)
     assert not (tmp_path / "x.ckpt").exists() and not (tmp_path / "y.ckpt").exists()
