@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,8 @@ def rank_main(rank: int, pattern: str, port: int) -> None:
         import lightning_pstar.runtime.comm as comm_module
 
         sys.setswitchinterval(100.0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init = f"tcp://127.0.0.1:{port}"  # a stuck rendezvous or collective raises in 2 minutes, not gloo's 30
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     if not engine:
         for _ in range(50):
             dist.all_reduce(torch.ones(1000))
