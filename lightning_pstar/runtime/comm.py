@@ -112,12 +112,18 @@ def _release_groups_at_exit() -> None:
         log.warning("PatrickStar: destroying the process groups at exit failed: %s: %s", type(err).__name__, err)
 
 
-def _release_at_exit(comm: ChunkComm) -> None:
+def destroy_process_groups_at_exit() -> None:
+    """Register, once per process, the exit handler of [Note: process groups at exit]: any code whose gloo groups
+    would otherwise reach finalisation alive (the engine's comms do it themselves; a plain run's rank may too)."""
     global _exit_handler_registered
-    _live_comms.add(comm)
     if not _exit_handler_registered:
         atexit.register(_release_groups_at_exit)
         _exit_handler_registered = True
+
+
+def _release_at_exit(comm: ChunkComm) -> None:
+    _live_comms.add(comm)
+    destroy_process_groups_at_exit()
 
 
 class ChunkComm:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_pstar import PatrickStarStrategy
-from tests.helpers.runs import release_process_group_at_exit
+from lightning_pstar.runtime.comm import destroy_process_groups_at_exit
 
 VOCAB = 32
 SEQ = 8
@@ -112,7 +112,7 @@ class MoEModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         torch.set_num_threads(1)  # two ranks share two cores
-        release_process_group_at_exit()
+        destroy_process_groups_at_exit()  # ddp_spawn's gloo ranks: [Note: process groups at exit]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

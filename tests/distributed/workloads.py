@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.runtime.comm import destroy_process_groups_at_exit
 from tests.helpers.data import make_dataset
 from tests.helpers.models import N_EMBD, SEED, VOCAB, FlatGPT
-from tests.helpers.runs import quiet_trainer_options, release_process_group_at_exit
+from tests.helpers.runs import quiet_trainer_options
 
 # ---- model --------------------------------------------------------------------------------------------------
 
@@ -111,7 +112,7 @@ class RecordingModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         torch.set_num_threads(1)  # two ranks share two cores
-        release_process_group_at_exit()
+        destroy_process_groups_at_exit()  # ddp_spawn's gloo ranks: [Note: process groups at exit]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         spec = self.spec

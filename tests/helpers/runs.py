@@ -11,14 +11,12 @@ the strategy. Two LightningModules:
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
@@ -29,28 +27,6 @@ from tests.helpers.models import SEED, TinyGPT, build_model, lm_loss
 
 STEPS = 6
 """Optimizer steps of one :func:`fit_steps` run unless told otherwise."""
-
-_group_release_registered = False
-
-
-def release_process_group_at_exit() -> None:
-    """Destroy this process's default group before the interpreter finalises (a reference run's rank).
-
-    Ranks started by a ``spawn`` launcher (``ddp_spawn``) finalise normally, and Lightning destroys the group at
-    exit only for NCCL: a gloo worker thread that drops its last work during finalisation can abort the rank
-    ([Note: process groups at exit] in ``lightning_pstar/runtime/comm.py``; ``benchmarks/exit_abort.py``'s plain
-    pattern). The engine does this for its own runs; the plain-Lightning references call this in ``setup``.
-    """
-    global _group_release_registered
-    if not _group_release_registered:
-        atexit.register(_destroy_group)
-        _group_release_registered = True
-
-
-def _destroy_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
 
 # --------------------------------------------------------------------------------------------------
 # Optimizers
