@@ -49,6 +49,8 @@ __all__ = [
     "MAX_CHUNK_ELEMENTS",
     "MemoryConfig",
     "MixedPrecisionConfig",
+    "OptimizerOverlap",
+    "OptimizerPlacement",
     "PStarConfig",
     "PStarOptions",
     "Placement",
@@ -83,6 +85,40 @@ class Placement(_ValueEnum):
     if all model data fits that share."""
     auto = "auto"  # alias, see [Note: enums in OmegaConf]
     static = "static"  # alias
+
+
+class OptimizerPlacement(_ValueEnum):
+    """Where the optimizer step (fp32 masters, gradients and optimizer states) runs."""
+
+    AUTO = "auto"
+    """Without a device budget on the device; with one, on the host during the warm-up, then on the device for
+    every family that fits the margin the warm-up trace measured at the step (the hybrid plan)."""
+    HOST = "host"
+    """Every family on the host, as ZeRO-Offload does: the device keeps only the compute-dtype parameters, and
+    the step runs as a pipeline of gradient copies, host Adam and parameter copies (``optimizer_overlap``)."""
+    DEVICE = "device"
+    """Every family on the device; refused at setup, with the figures, where model data does not fit the device
+    budget."""
+    auto = "auto"  # alias, see [Note: enums in OmegaConf]
+    host = "host"  # alias
+    device = "device"  # alias
+
+
+class OptimizerOverlap(_ValueEnum):
+    """How the host-side optimizer step overlaps transfers and compute ([Note: the step pipeline] in
+    :mod:`lightning_pstar.runtime.pipeline`). Every schedule gives bitwise the serial step's weights."""
+
+    AUTO = "auto"
+    """The fastest exact schedule the engine can prove: gradient copies, host Adam and parameter copies of
+    different families run at once on worker threads, and where nothing can read or change gradients between
+    the backward and the step (Trainer, automatic optimization, no clipping, no fp16 loss scaling, no hook
+    overridden between them) a family steps while the backward goes on, as soon as its gradients are final.
+    The step is over when ``optimizer.step()`` returns."""
+    OFF = "off"
+    """The serial step: each family's gradients go to the host, Adam runs, the parameters come back, family
+    after family, on the calling thread."""
+    auto = "auto"  # alias, see [Note: enums in OmegaConf]
+    off = "off"  # alias
 
 
 class CheckpointFormat(_ValueEnum):
@@ -231,9 +267,18 @@ class PlacementConfig:
     warmup_chunk_fraction: float = 0.25
     """``policy="auto"``: share of the device budget chunks may use during the warm-up iteration, while
     non-model memory is measured, in (0, 1]; never less than one module's chunks."""
+    optimizer: OptimizerPlacement = OptimizerPlacement.AUTO
+    """Where the optimizer step runs: "auto" (the device where the trace says it fits, else the host), "host"
+    (every family, ZeRO-Offload style) or "device" (every family; refused at setup where it does not fit); see
+    :class:`OptimizerPlacement`."""
+    optimizer_overlap: OptimizerOverlap = OptimizerOverlap.AUTO
+    """How a host-side step overlaps its transfers and the backward: "auto" (the fastest exact schedule) or
+    "off" (the serial step); see :class:`OptimizerOverlap`."""
 
     def __post_init__(self) -> None:
         self.policy = Placement.coerce(self.policy, name="placement.policy")
+        self.optimizer = OptimizerPlacement.coerce(self.optimizer, name="placement.optimizer")
+        self.optimizer_overlap = OptimizerOverlap.coerce(self.optimizer_overlap, name="placement.optimizer_overlap")
         self.static_chunk_fraction = _fraction(self.static_chunk_fraction, name="placement.static_chunk_fraction")
         self.warmup_chunk_fraction = _fraction(self.warmup_chunk_fraction, name="placement.warmup_chunk_fraction")
 
@@ -391,6 +436,8 @@ class PStarOptions(TypedDict, total=False):
     placement: Placement | str
     static_chunk_fraction: float
     warmup_chunk_fraction: float
+    optimizer_placement: OptimizerPlacement | str
+    optimizer_overlap: OptimizerOverlap | str
     frozen_master: bool
     loss_scale: LossScaleConfig | Mapping[str, Any] | None
     checkpoint: CheckpointFormat | str
@@ -408,6 +455,8 @@ FLAT_OPTIONS: Mapping[str, str] = {
     "placement": "placement.policy",
     "static_chunk_fraction": "placement.static_chunk_fraction",
     "warmup_chunk_fraction": "placement.warmup_chunk_fraction",
+    "optimizer_placement": "placement.optimizer",
+    "optimizer_overlap": "placement.optimizer_overlap",
     "frozen_master": "mixed_precision.frozen_master",
     "loss_scale": "mixed_precision.loss_scale",
     "checkpoint": "checkpoint",

@@ -189,6 +189,10 @@ def hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Seque
     in, or gone from, a collective) and the model keeps its chunk views."""
     if hooks is not None:
         hooks.remove()
+    try:
+        manager.finish_steps()  # a step in flight ends before the weights leave
+    finally:
+        manager.pipeline.close()  # its worker threads end with the run
     report = manager.memory_report()
     if failed and manager.world_size > 1:
         return EndOfRun(report=report, reports=None, optimizers=list(optimizers))

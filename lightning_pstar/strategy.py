@@ -23,6 +23,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import Unpack, override
 
@@ -72,6 +73,16 @@ _LIGHTNING_ARGUMENTS = (
     "process_group_backend",
     "timeout",
     "start_method",
+)
+
+
+# LightningModule hooks that run between the backward and the optimizer step and may read or change gradients
+_GRADIENT_READERS = (
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "optimizer_step",
+    "backward",
 )
 
 
@@ -333,11 +344,36 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self._manager is not None:
             self._manager.begin_backward()  # every rank is here: collectives may start (see groups.py)
+            if self._nothing_reads_gradients():
+                chunked = chunked_of(self.optimizers[0])
+                if chunked is not None:
+                    chunked.step_in_backward()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self._manager is not None:
             self._manager.finish_backward()
+            self._manager.end_backward_steps()
+
+    def _nothing_reads_gradients(self) -> bool:
+        """Whether no code but the engine's can read or change gradients between this backward and the step
+        ([Note: stepping inside the backward] in optim/optimizer.py): automatic optimization with one
+        optimizer, no gradient clipping, and no hook between the two overridden in the LightningModule or a
+        callback (nor the module's own ``backward`` or ``optimizer_step``, which may do anything)."""
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization or len(self.optimizers) != 1:
+            return False
+        trainer = module._trainer
+        if trainer is None or trainer.gradient_clip_val:
+            return False
+        for name in _GRADIENT_READERS:
+            if is_overridden(name, module, parent=pl.LightningModule):
+                return False
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            for name in ("on_after_backward", "on_before_optimizer_step"):
+                if is_overridden(name, callback, parent=pl.Callback):
+                    return False
+        return True
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     @property

@@ -23,6 +23,7 @@ __all__ = [
     "clip_coefficient",
     "fused_adam",
     "fused_sgd",
+    "join_norms",
     "local_norms",
     "momentum_sgd",
     "read_norm_and_finite",
@@ -128,6 +129,18 @@ def local_norms(
         if check_finite:
             peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
             bad.append((~torch.isfinite(peaks)).sum().to(device, torch.float32).reshape(1))
+    stacked = torch.cat(norms) if norms else None
+    nonfinite = torch.cat(bad).sum() if bad else (torch.zeros((), device=device) if check_finite else None)
+    return stacked, nonfinite
+
+
+def join_norms(
+    parts: list[tuple[torch.Tensor | None, torch.Tensor | None]], *, check_finite: bool, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What :func:`local_norms` gives for several lists at once, from its results per list (in order): the same
+    stacked norms and non-finite count, built part by part so that each part's gradients can be freed first."""
+    norms = [n for n, _ in parts if n is not None]
+    bad = [b.reshape(1) for _, b in parts if b is not None]
     stacked = torch.cat(norms) if norms else None
     nonfinite = torch.cat(bad).sum() if bad else (torch.zeros((), device=device) if check_finite else None)
     return stacked, nonfinite

@@ -15,6 +15,28 @@ A step runs one of three paths per parameter set, all with the same kernels:
 - host-resident parameters (``cpu_embedding``), whose state lives beside them in an ordinary dict.
 """
 
+
+# [Note: stepping inside the backward]
+# With ``optimizer_overlap="auto"`` a host-side family may step while the backward is still running: as soon as
+# every trainable parameter of the family has its final gradient of this backward (one rank: the family's
+# gradients landed together, [Note: gradients land per family]; several ranks: its reduced share was stored), the
+# strategy's armed optimizer submits the family's job to the step pipeline ([Note: the step pipeline] in
+# runtime/pipeline.py). That is exact only where nothing can read or change a gradient between the backward
+# and ``optimizer.step()``, and nothing needs all gradients first. The strategy proves the first part (Trainer,
+# automatic optimization with one optimizer, no gradient clipping configured, and none of ``on_after_backward``,
+# ``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step`` or ``backward`` overridden in
+# the LightningModule, nor the first two in any callback); :meth:`ChunkedOptimizer.step_in_backward` checks the
+# engine's part (the warm-up is over, so its checks before the first step have run; the micro-batch is the last
+# of an accumulation; no clipping, no fp16 loss scaling). Fabric never arms it: user code runs between
+# ``fabric.backward`` and ``optimizer.step``. A gradient that reaches a family whose step started (a parameter
+# used in two reentrant checkpointed segments) raises, naming the parameter, instead of being lost. A backward
+# that raises after some families started leaves those families stepped (their states cannot be rolled back);
+# the run is failing then, and nothing is saved from it by the engine.
+# The jobs hold back their parameter copies to the device until the backward is over, so autograd never reads
+# a weight that changes under it; ``optimizer.step()`` starts the families that did not step yet and returns once
+# every job is finished. Every reader of weights, gradients or states outside the step (zero_grad, state dicts,
+# evaluation, a load, the report, teardown) finishes the jobs in flight first (``ChunkManager.finish_steps``).
+
 from __future__ import annotations
 
 import logging
@@ -27,12 +49,15 @@ import torch
 from torch.optim import Optimizer
 
 import lightning_pstar.optim.kernels as kernels
+from lightning_pstar.config import OptimizerOverlap
 from lightning_pstar.optim.grads import family_grads, host_grads, whole_family_grad_range
+from lightning_pstar.optim.host_step import host_job, snapshot_groups
 from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.pipeline import HostJob
 from lightning_pstar.runtime.state import Tier
 
 __all__ = ["ChunkedOptimizer", "GradientPolicy", "SUPPORTED_OPTIMIZERS", "StepResult"]
@@ -107,6 +132,8 @@ class ChunkedOptimizer(Optimizer):
         self._records = [r for r in manager.records if r.index in self._book.group_of]
         own = {r.family.family_id for r in self._records}
         self._families = [f for f in manager.families if f.family_id in own]
+        self._own_ids = own
+        self._overlap = manager.config.placement.optimizer_overlap is OptimizerOverlap.AUTO
         kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if self._book.is_adam else []
         if not self._book.is_adam and any(g["momentum"] != 0 for g in self.param_groups):
             kinds = [ChunkKind.EXP_AVG]
@@ -134,16 +161,86 @@ class ChunkedOptimizer(Optimizer):
             read, self._read_norm = self._read_norm, None
             on_host = read.on_host if read is not None else self._host_grads()
             coef = self._clip_coefficient(families, on_host, read)
+            early = manager.grads.stepped
             if coef is None:
+                assert not early, "PatrickStar internal error: a step inside the backward was skipped"
                 self.last_step = StepResult(skipped=True)
                 self.zero_grad()
                 return loss
-            for family in families:
-                self._step_family(family, coef)
+            assert coef == 1.0 or not early, "PatrickStar internal error: a step inside the backward needed clipping"
+            try:
+                self._step_families([f for f in families if f.family_id not in early], coef)
+            finally:
+                manager.finish_steps()  # the jobs in flight end before anything else runs
             manager.weights_version += 1  # weights autograd saved by reference are stale now
             self._step_host_params(on_host, coef)
             self.zero_grad()
         return loss
+
+    def _step_families(self, families: list[ChunkFamily], coef: float) -> None:
+        """Step ``families``: host-side ones through the pipeline where ``optimizer_overlap`` allows (the step
+        pipeline's workers), the rest here, serially; the caller finishes the jobs."""
+        pipelined = self._overlap
+        for family in families:
+            job = self._host_job(family, coef) if pipelined else None
+            if job is not None:
+                self._manager.pipeline.submit(job)
+            else:
+                self._step_family(family, coef)
+
+    def _host_job(self, family: ChunkFamily, coef: float) -> HostJob | None:
+        """The pipelined host step of ``family`` (whole-family Adam), or None where the serial step runs."""
+        if not self._book.is_adam:
+            return None
+        plan = self._whole_family_plan(family)
+        if plan is None:
+            return None
+        manager = self._manager
+        policy = self.gradient_policy
+        return host_job(
+            manager,
+            family,
+            plan,
+            groups=snapshot_groups(self.param_groups),
+            steps=[self._book.step_tensor(r, torch.device("cpu")) for r in family.records],
+            inv_scale=policy.inv_scale,
+            coef=coef,
+            clip_value=policy.clip_value,
+            streams=manager.pipeline.streams(manager.device),
+        )
+
+    # ---- [Note: stepping inside the backward] --------------------------------------------------------------
+    def step_in_backward(self) -> bool:
+        """Let the coming backward start the step of each host-side family of this optimizer as soon as its
+        final gradients have all landed. The caller (the strategy) has proven that nothing reads or changes
+        gradients between this backward and :meth:`step`; this checks what the engine knows: the overlap is
+        on, the warm-up is over, the gradients are this step's last micro-batch, and nothing needs the global
+        view first (clipping, fp16's overflow check). Returns whether it is on; :meth:`step` (or anything
+        that reads weights, gradients or states first) finishes what it started."""
+        manager = self._manager
+        policy = self.gradient_policy
+        if not self._overlap or manager.tracer.recording or not manager.tracer.warmed_up:
+            return False
+        if manager.grads.accumulating or policy.check_finite or policy.clip_norm is not None:
+            return False
+        if policy.clip_value is not None or policy.inv_scale != 1.0 or not self._book.is_adam:
+            return False
+        if not any(manager.residency.optimizer_tier_of(f) is Tier.HOST for f in self._families):
+            return False
+        manager.pipeline.hold_copies_back()
+        manager.grads.on_final = self._start_in_backward
+        return True
+
+    def _start_in_backward(self, family: ChunkFamily) -> bool:
+        """A family's final gradients all landed during the backward: start its host step if it is ours."""
+        if family.family_id not in self._own_ids or not family.trainable:
+            return False
+        job = self._host_job(family, 1.0)
+        if job is None:
+            return False
+        self._manager.pipeline.submit(job)
+        self._manager.pipeline.times.in_backward += 1
+        return True
 
     def _families_with_grads(self) -> list[ChunkFamily]:
         return [f for f in self._families if any(r.has_grad for r in f.records if r.index in self._book.group_of)]
@@ -174,12 +271,16 @@ class ChunkedOptimizer(Optimizer):
         """Whether every gradient is finite, and the global 2-norm, over all ranks (each owns a share)."""
         manager = self._manager
         mixed, inv_scale = manager.mixed, self.gradient_policy.inv_scale
-        grad_lists = [list(on_host.values())] if on_host else []
-        grad_lists += [
-            list(family_grads(f, self._book.group_of, mixed=mixed, inv_scale=inv_scale).values()) for f in families
-        ]
         check = self.gradient_policy.check_finite
-        norms, nonfinite = kernels.local_norms(grad_lists, check_finite=check, device=manager.device)
+        # family by family: one family's fp32 gradients exist at a time (not a copy of every gradient at once)
+        parts: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        if on_host:
+            parts.append(kernels.local_norms([list(on_host.values())], check_finite=check, device=manager.device))
+        for family in families:
+            grads = family_grads(family, self._book.group_of, mixed=mixed, inv_scale=inv_scale)
+            parts.append(kernels.local_norms([list(grads.values())], check_finite=check, device=manager.device))
+            del grads
+        norms, nonfinite = kernels.join_norms(parts, check_finite=check, device=manager.device)
         comm = manager.comm
         if not comm.distributed:
             return kernels.read_norm_and_finite(kernels.total_norm(norms), nonfinite)
@@ -344,7 +445,7 @@ class ChunkedOptimizer(Optimizer):
         """Forget the gradients of this optimizer's parameters (weights overwritten by gradients are restored
         from the masters); another optimizer's gradients stay for its own step."""
         self._read_norm = None
-        self._manager.discard_grads(self._records)
+        self._manager.discard_grads(self._records)  # finishes the steps in flight first
         for p in self._host_params():
             p.grad = None
 
@@ -354,6 +455,7 @@ class ChunkedOptimizer(Optimizer):
 
         ``rank0_only`` (what checkpoints use) streams the states to rank 0; other ranks get empty states.
         """
+        self._manager.finish_steps()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._state_io.state_dict(rank0_only=rank0_only)
@@ -365,6 +467,7 @@ class ChunkedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's layout (from this optimizer, or from torch's own): validated before anything changes."""
+        self._manager.finish_steps()
         state_dict = dict(state_dict)  # shallow copy, as torch's (its hooks may replace entries)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -400,6 +503,7 @@ class ChunkedOptimizer(Optimizer):
         the norm is global (a collective): every rank calls it. Set the gradient policy first (the
         precision plugin's ``begin_step``); a new backward before the step would make it stale.
         """
+        self._manager.finish_steps()
         self._manager.grads.settle()  # gradients a raised backward left waiting ([Note: gradients land per family])
         read = self._host_grads()
         finite, total = self._global_norm(self._families_with_grads(), read)

@@ -157,6 +157,8 @@ class TransferStats:
     dirty_moves: int = 0  # moves off the device that copied the bytes back to the host
     moved_bytes: int = 0  # bytes copied by chunk moves, both directions (what placement decides)
     host_copy_bytes: int = 0  # host copies of device-resident chunks kept for clean evictions
+    step_d2h_bytes: int = 0  # copied to the host by host-side optimizer steps that left the chunk on the device
+    step_h2d_bytes: int = 0  # ... and copied back by them (runtime/pipeline.py)
     param_chunks_on_host: int = 0  # param chunks whose bytes are on the host now (what a prefetch could bring)
     per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0})
     peak_device_bytes: int = 0
@@ -392,6 +394,30 @@ class Chunk:
         host_arena().free(self._host_buffer)
         self._host_copy = False
         self._stats.host_copy_bytes -= self.nbytes
+
+    def stage_host_copy(self) -> tuple[torch.Tensor, bool]:
+        """The HOST buffer of a device-resident chunk, backed, as the staging copy of a host-side optimizer step
+        ([Note: the step pipeline] in ``runtime/pipeline.py``), and whether it already equals the device bytes.
+        It counts as a host copy that is not current (:meth:`adopt_host_copy` makes it current once the step's
+        copies are done); a CPU reader writes it next, so an asynchronous fetch that read it is waited for."""
+        assert self._tier is _DEVICE, f"chunk {self.chunk_id} is not on the device"
+        self.wait()
+        current = self.host_copy_current
+        if self._host_read is not None:
+            self._host_read.synchronize()
+            self._host_read = None
+        if not self._host_copy:
+            self._storage_for(Tier.HOST, allocate=True)
+            self._host_copy = True
+            self._stats.host_copy_bytes += self.nbytes
+        self._host_copy_version = -1  # the step writes it: never current until adopted
+        assert self._host_buffer is not None
+        return self._host_buffer, current
+
+    def adopt_host_copy(self) -> None:
+        """The staged HOST buffer equals the device bytes now (the step copied it back): a current host copy."""
+        assert self._host_copy, f"chunk {self.chunk_id} has no staged host copy"
+        self._host_copy_version = self._device_buffer._version
 
     def _copy_on_stream(self, source: torch.Tensor, target: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Rules 1-3 of [Note: streams]: wait for compute, copy, record the event; an eviction frees its

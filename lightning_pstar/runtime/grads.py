@@ -36,7 +36,7 @@ exactly that bump and reads its fp32 master.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager, suppress
 
 import torch
@@ -54,6 +54,16 @@ _DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
 _FINAL, _HOLD_AFTER_BWD = MicroBatch.FINAL, TensorState.HOLD_AFTER_BWD
 _TO_HOLD_AFTER_BWD = SOURCES_OF[TensorState.HOLD_AFTER_BWD]
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward; each backward has its own id
+
+
+def _refuse_late_gradient(record: ParamRecord) -> None:
+    raise RuntimeError(
+        f"PatrickStar started the optimizer step of parameter '{record.slot.name}' (chunk {record.family.family_id})"
+        " during the backward, when all its gradients had arrived (optimizer_overlap='auto'), but it received"
+        " another gradient in the same backward (a parameter used in two reentrant activation-checkpointed"
+        " segments, or a second backward before the step). HINT: set optimizer_overlap='off', or use"
+        " torch.utils.checkpoint with use_reentrant=False."
+    )
 
 
 def _weights_replaced(records: Sequence[ParamRecord]) -> None:
@@ -81,6 +91,10 @@ class GradStore:
         self._waiting_bound = max((f.capacity for f in residency.families), default=0)  # elements: one chunk
         self._expected = {f.family_id: sum(r.trainable for r in f.records) for f in residency.families}
         self._landing_task = -1  # the backward (autograd graph task) whose end lands what waits
+        # [Note: stepping inside the backward] in optim/optimizer.py: called with a family whose final gradients
+        # of this backward all landed; the families it took (they must receive no further gradient)
+        self.on_final: Callable[[ChunkFamily], bool] | None = None
+        self.stepped: set[int] = set()
 
     @property
     def accumulating(self) -> bool:
@@ -93,16 +107,21 @@ class GradStore:
         if not records:
             return
         final = not self.accumulating
+        family = records[0].family
+        if self.stepped and family.family_id in self.stepped:
+            _refuse_late_gradient(records[0])
         if final:
             for record in records:
                 if record.slot.state not in _TO_HOLD_AFTER_BWD:
                     record.set_state(_HOLD_AFTER_BWD)  # raises, before anything is written
         pairs = [(r, r.slot.view_in(reduced)) for r in records]
-        family = records[0].family
         self._write_final(family, pairs, reuse=self.mixed and final and ChunkKind.GRAD not in family.chunks)
         if final:
             for record in records:
                 record.slot.state = _HOLD_AFTER_BWD
+            done = all(r.slot.state is _HOLD_AFTER_BWD for r in family.records if r.trainable)
+            if self.on_final is not None and done:
+                self._take(family)
 
     def _write_final(self, family: ChunkFamily, pairs: list[tuple[ParamRecord, torch.Tensor]], *, reuse: bool) -> None:
         """Write gradients of ``family``'s records: into their param slots with chunk ``reuse`` (the parameters then
@@ -132,6 +151,8 @@ class GradStore:
             record.grad_in_grad_chunk = True
             record.set_state(TensorState.HOLD)
             return
+        if self.stepped and record.family.family_id in self.stepped:
+            _refuse_late_gradient(record)
         if record.waiting:  # a second gradient in one backward (reentrant checkpoint): the first lands first
             self.settle()
         slot = record.slot
@@ -152,6 +173,14 @@ class GradStore:
             self.settle()  # outside a backward (nothing would land it), or too much waits
         elif len(waiting) >= self._expected[fid]:
             self._land(fid)
+            if self.on_final is not None:
+                self._take(record.family)
+
+    def _take(self, family: ChunkFamily) -> None:
+        """Offer a family whose final gradients all landed to the step inside the backward."""
+        assert self.on_final is not None
+        if self.on_final(family):
+            self.stepped.add(family.family_id)
 
     @contextmanager
     def landing_on_error(self) -> Generator[None, None, None]:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_pstar.config import PStarConfig
+from lightning_pstar.config import OptimizerPlacement, PStarConfig
 from lightning_pstar.planning.requirements import (
     BytesPerElement,
     MemoryBudgetError,
@@ -29,7 +29,7 @@ from lightning_pstar.planning.requirements import (
     min_device_bytes,
     tier_need,
 )
-from lightning_pstar.report import MemoryReport
+from lightning_pstar.report import MemoryReport, format_bytes
 from lightning_pstar.runtime.budgets import check_setup_budgets, device_budget_of, host_budget_of, plan_layout
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
@@ -44,6 +44,7 @@ from lightning_pstar.runtime.family import (
 )
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
+from lightning_pstar.runtime.pipeline import StepPipeline
 from lightning_pstar.runtime.placement import PlacementPolicy, make_policy
 from lightning_pstar.runtime.reporting import build_report, module_names
 from lightning_pstar.runtime.residency import Residency
@@ -113,10 +114,11 @@ class ChunkManager:
             min_device_bytes=self._min_device_bytes,
             owns=lambda family: self.sharding.owns(family),
         )
-        self.residency.optimizer_tier = policy.optimizer_tier(
-            model_data_bytes=self._model_data_bytes(), device_budget=device_budget
-        )
+        self.residency.optimizer_tier = self._optimizer_start_tier(policy, device_budget)
+        self.residency.hybrid_optimizer = config.placement.optimizer is OptimizerPlacement.AUTO
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
+        # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
+        self.pipeline = StepPipeline()
         module_groups = [
             {group_of(r.family.family_id, self.world_size) for r in records}
             for records in self.table.module_records.values()
@@ -160,7 +162,7 @@ class ChunkManager:
                 static_chunk_fraction=config.placement.static_chunk_fraction,
                 warmup_chunk_fraction=config.placement.warmup_chunk_fraction,
             )
-        start = policy.optimizer_tier(model_data_bytes=self._model_data_bytes(), device_budget=device_budget)
+        start = self._optimizer_start_tier(policy, device_budget)
         check_setup_budgets(
             self.layout,
             self.bytes_per_element(),
@@ -173,6 +175,25 @@ class ChunkManager:
             static_fraction=config.placement.static_chunk_fraction if policy.name == "static" else None,
         )
         return device_budget, host_budget, policy
+
+    def _optimizer_start_tier(self, policy: PlacementPolicy, device_budget: int | None) -> Tier:
+        """Where optimizer-side chunks start: the policy's choice under ``placement.optimizer="auto"``, else the
+        tier the user named ("device" is refused here, before anything is allocated, where it cannot fit)."""
+        choice = self.config.placement.optimizer
+        model_data = self._model_data_bytes()
+        if choice is OptimizerPlacement.HOST:
+            return Tier.HOST
+        if choice is OptimizerPlacement.DEVICE:
+            if device_budget is not None and model_data > device_budget:
+                raise MemoryBudgetError(
+                    f"optimizer_placement='device' needs all model data of this rank on the device:"
+                    f" {format_bytes(model_data, exact=True)} (params, fp32 masters/grads and optimizer states),"
+                    f" but device_memory_limit is {format_bytes(device_budget, exact=True)}, before any"
+                    " activation. HINT: use optimizer_placement='auto' (the families that fit run on the device)"
+                    " or 'host', raise device_memory_limit, or train on more ranks."
+                )
+            return Tier.DEVICE
+        return policy.optimizer_tier(model_data_bytes=model_data, device_budget=device_budget)
 
     def bytes_per_element(self, optimizer: int = _ADAM_STATE_BYTES) -> BytesPerElement:
         return BytesPerElement.of_run(
@@ -228,6 +249,7 @@ class ChunkManager:
 
     def fill_slot(self, record: ParamRecord, value: torch.Tensor) -> None:
         """Write a weight into the record's param slot and fp32 master (a load)."""
+        self.finish_steps()
         self._materialiser().fill_slot(record, value)
 
     def add_optimizer_chunks(self, kinds: Sequence[ChunkKind], families: Sequence[ChunkFamily] | None = None) -> None:
@@ -283,6 +305,7 @@ class ChunkManager:
     # ---- the iteration's verbs --------------------------------------------------------------------------
     def begin_training_batch(self) -> None:
         """A training micro-batch starts; the first one of the run starts the warm-up trace."""
+        self.finish_steps()
         self.finish_backward()
         self.end_warmup_if_stepped()
         self.residency.close_step()
@@ -419,6 +442,7 @@ class ChunkManager:
 
     def end_training(self) -> None:
         """Training micro-batches are over for now (evaluation, or the end of fit): nothing is traced."""
+        self.finish_steps()
         self.finish_backward()
         if self.phase.training:
             self.end_warmup_if_stepped()
@@ -429,6 +453,7 @@ class ChunkManager:
 
     def begin_eval_pass(self) -> None:
         """Every rank starts an evaluation step (validation, test, predict)."""
+        self.finish_steps()
         self.phase = Phase.EVAL
         self.sharding.begin_pass(training=False)
 
@@ -440,6 +465,7 @@ class ChunkManager:
     def discard_grads(self, records: Sequence[ParamRecord] | None = None) -> None:
         """Forget the gradients of ``records`` (default: all; an optimizer's ``zero_grad`` passes its own);
         weights overwritten by gradients are restored from the masters."""
+        self.finish_steps()
         self.sharding.discard()
         self.grads.discard(self.records if records is None else records)
 
@@ -480,7 +506,23 @@ class ChunkManager:
             end_warmup(self.tracer, self.residency, self.sharding)
 
     # ---- reporting ------------------------------------------------------------------------------------
+    def end_backward_steps(self) -> None:
+        """The backward is over: no family starts its step from it any more, and the parameter copies the steps
+        started in it held back may run ([Note: the step pipeline] in runtime/pipeline.py)."""
+        self.grads.on_final = None
+        self.pipeline.open_copies_back()
+
+    def finish_steps(self) -> None:
+        """Finish every host-side optimizer step in flight and stop stepping inside the backward: before anything
+        reads or writes weights, gradients or optimizer states outside the step ([Note: the step pipeline])."""
+        self.grads.on_final = None
+        try:
+            self.pipeline.drain()
+        finally:
+            self.grads.stepped.clear()
+
     def memory_report(self) -> MemoryReport:
+        self.finish_steps()
         if not self._module_names:
             self._module_names = module_names(self.module, self.table)
         return build_report(

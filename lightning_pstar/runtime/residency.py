@@ -71,8 +71,12 @@ class Residency:
         self.owns = owns
         self.stats = TransferStats()
         self.optimizer_tier = Tier.DEVICE  # where optimizer-side chunks start (set by the manager at setup)
+        self.hybrid_optimizer = True  # placement.optimizer="auto": the warm-up's end moves families that fit
         # families whose param chunk must stay where it is: send buffers of in-flight gathers (sharding)
         self.pinned: set[int] = set()
+        # families whose host-side step is in flight: their param chunk stays, their staging copy is kept
+        # ([Note: the step pipeline] in runtime/pipeline.py)
+        self.stepping: set[int] = set()
         self.repoint = False  # parameters follow their chunk's moves (off while materialising)
         self._tick = 0
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches and evictions copy on it
@@ -207,7 +211,10 @@ class Residency:
         held = [
             f.param_chunk
             for f in self.families
-            if ChunkKind.PARAM in f.chunks and f.param_chunk.has_host_copy and f.param_chunk is not spare
+            if ChunkKind.PARAM in f.chunks
+            and f.param_chunk.has_host_copy
+            and f.param_chunk is not spare
+            and f.family_id not in self.stepping
         ]
         held.sort(key=lambda c: (c.host_copy_current, -c.chunk_id))
         freed = 0
@@ -216,6 +223,27 @@ class Residency:
                 return
             chunk.drop_host_copy()
             freed += chunk.nbytes
+
+    # ---- the host-side step's staging ([Note: the step pipeline] in runtime/pipeline.py) -----------------------
+    def stage_host(self, family: ChunkFamily) -> tuple[torch.Tensor, bool]:
+        """The host buffer a host-side step of ``family`` copies its param chunk into (within the host budget),
+        and whether it already holds the device bytes. The family is ``stepping`` until :meth:`unstage`."""
+        chunk = family.param_chunk
+        if not chunk.has_host_copy:
+            self.check_host_room(chunk.nbytes, spare=chunk)
+        staged = chunk.stage_host_copy()
+        self.stepping.add(family.family_id)
+        if not staged[1]:
+            self.stats.step_d2h_bytes += chunk.nbytes  # the step's first stage copies it
+        return staged
+
+    def unstage(self, family: ChunkFamily) -> None:
+        """The host-side step of ``family`` is done: its host buffer is a current copy of the device bytes."""
+        self.stepping.discard(family.family_id)
+        chunk = family.param_chunk
+        chunk.adopt_host_copy()
+        self.stats.step_h2d_bytes += chunk.nbytes
+        self._param_versions[family.family_id] = tuple(r.param._version for r in family.records)
 
     # ---- iterations --------------------------------------------------------------------------------------
     def note_step(self) -> None:
@@ -251,7 +279,7 @@ class Residency:
         missing = self.device_used() + nbytes - room
         if missing <= 0:
             return
-        protect = protect | self.pinned
+        protect = protect | self.pinned | self.stepping
         candidates = [
             f.param_chunk
             for f in self.families

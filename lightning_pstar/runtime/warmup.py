@@ -50,7 +50,8 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
         return
     if residency.policy.name == "auto":
         _check_trace_fits(tracer, needs, budget)
-        residency.plan_hybrid_optimizer(tracer.trace.peak_non_model)
+        if residency.hybrid_optimizer:  # placement.optimizer="auto": the families that fit go to the device
+            residency.plan_hybrid_optimizer(tracer.trace.peak_non_model)
     problem = None if sharding.distributed else placement_problem(tracer, residency, budget)
     residency.bounds = solve(problem) if problem is not None else None
     if problem is not None and residency.bounds is not None:

@@ -1,0 +1,162 @@
+"""One family's host-side optimizer step as a :class:`~lightning_pstar.runtime.pipeline.HostJob`.
+
+The job runs the whole-family Adam of the serial step (``ChunkedOptimizer._step_whole_family``) on the same
+values: see [Note: the step pipeline] in :mod:`lightning_pstar.runtime.pipeline` for what makes it bitwise the
+serial step. :func:`host_job` builds it on the calling thread (every piece of bookkeeping before the stages
+run), or returns None where the family does not step this way (the caller then runs the serial step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import lightning_pstar.optim.kernels as kernels
+from lightning_pstar.optim.kernels import WholeFamilyPlan
+from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.family import ChunkFamily
+from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.pipeline import HostJob
+from lightning_pstar.runtime.state import Tier
+
+__all__ = ["grads_in_place", "host_job", "snapshot_groups"]
+
+
+def snapshot_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of the param groups' hyper-parameters as they are now (a tensor value is cloned): what a job in
+    flight reads, whatever an LR scheduler does to the groups meanwhile."""
+    out = []
+    for group in param_groups:
+        copy = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+        out.append(copy)
+    return out
+
+
+def grads_in_place(family: ChunkFamily, *, mixed: bool) -> bool:
+    """Whether every record of ``family`` holds exactly this micro-batch's gradient where the whole-family step
+    reads it (mixed precision: in the param slot, nothing summed in the GRAD chunk; 32-true: in the GRAD chunk):
+    the condition of :func:`~lightning_pstar.optim.grads.whole_family_grad_range`, without building the range."""
+    for record in family.records:
+        in_slot, in_grad_chunk = record.grad_in_param_slot, record.grad_in_grad_chunk
+        if (not in_slot or in_grad_chunk) if mixed else not in_grad_chunk:
+            return False
+    return True
+
+
+def host_job(
+    manager: ChunkManager,
+    family: ChunkFamily,
+    plan: WholeFamilyPlan,
+    *,
+    groups: list[dict[str, Any]],
+    steps: list[torch.Tensor],
+    inv_scale: float,
+    coef: float,
+    clip_value: float | None,
+    streams: tuple[Any, Any] | None = None,
+) -> HostJob | None:
+    """The pipelined host step of ``family`` (Adam over ``plan``), or None where the serial step must run: its
+    optimizer states are not on the host, its param chunk is not on the device, or its gradients are not where
+    the whole-family step reads them. ``groups``: :func:`snapshot_groups` of the optimizer's groups; ``steps``:
+    the records' step counts (on the host); ``streams``: the pipeline's two copy streams (CUDA only)."""
+    residency = manager.residency
+    chunk = family.param_chunk
+    mixed = manager.mixed
+    if residency.optimizer_tier_of(family) is not Tier.HOST or chunk.tier is not Tier.DEVICE:
+        return None
+    if not grads_in_place(family, mixed=mixed):
+        return None
+    grad_chunk = family.chunks.get(ChunkKind.GRAD)
+    if not mixed and (grad_chunk is None or grad_chunk.tier is not Tier.HOST):
+        return None
+    master_chunk = family.chunks.get(ChunkKind.MASTER)
+    if mixed and (master_chunk is None or master_chunk.tier is not Tier.HOST):
+        return None
+    host, current = residency.stage_host(family)
+    device = chunk.device_buffer
+    states = (family.chunks[ChunkKind.EXP_AVG].data, family.chunks[ChunkKind.EXP_AVG_SQ].data)
+    master = master_chunk.data if mixed and master_chunk is not None else host
+    grads_32 = grad_chunk.data if grad_chunk is not None and not mixed else None
+    copies = _Copies(device, host, skip_out=current, streams=streams)
+    numel = plan.end - plan.start
+
+    def adam(scratch: torch.Tensor) -> None:
+        if mixed:
+            grad_range = scratch
+            grad_range.copy_(host[plan.start : plan.end])  # exactly Tensor.float(), into the stage's scratch
+            if inv_scale != 1.0:
+                grad_range.mul_(inv_scale)
+        else:
+            assert grads_32 is not None
+            grad_range = grads_32[plan.start : plan.end]
+            if inv_scale != 1.0:
+                grad_range = grad_range.mul(inv_scale)
+        masters = kernels.adam_on_plan(
+            plan, groups, grad_range, (master, *states), steps, coef=coef, clip_value=clip_value
+        )
+        if mixed:
+            torch._foreach_copy_(plan.slots(host), masters)
+
+    def finish() -> None:
+        copies.wait_back()
+        residency.unstage(family)
+        if mixed:
+            for record in family.records:
+                manager.slot_holds_weight(record)  # the parameter points at the new weight again
+
+    return HostJob(
+        family_id=family.family_id,
+        d2h=copies.out,
+        adam=adam,
+        h2d=copies.back,
+        finish=finish,
+        scratch_numel=numel if mixed else 0,
+    )
+
+
+class _Copies:
+    """The job's two copies between the device buffer and the staging host buffer: plain copies on a CPU; on CUDA
+    on side streams, ordered after the compute stream's work at submission ([Note: streams] in ``chunk.py``)."""
+
+    def __init__(
+        self, device: torch.Tensor, host: torch.Tensor, *, skip_out: bool, streams: tuple[Any, Any] | None
+    ) -> None:
+        self.device, self.host, self.skip_out = device, host, skip_out
+        self.cuda = device.is_cuda
+        self._ready: torch.cuda.Event | None = None
+        self._back: torch.cuda.Event | None = None
+        if self.cuda:  # the gradients were written by kernels queued on the compute stream until now
+            assert streams is not None, "a CUDA job needs the pipeline's copy streams"
+            self._out_stream, self._back_stream = streams
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(device.device))
+
+    def out(self) -> None:
+        if self.skip_out:
+            return
+        if not self.cuda:
+            self.host.copy_(self.device)
+            return
+        assert self._ready is not None
+        with torch.cuda.stream(self._out_stream):
+            self._out_stream.wait_event(self._ready)
+            self.host.copy_(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._out_stream)
+        done.synchronize()  # the Adam stage reads the host bytes next
+
+    def back(self) -> None:
+        if not self.cuda:
+            self.device.copy_(self.host)
+            return
+        with torch.cuda.stream(self._back_stream):
+            self.device.copy_(self.host, non_blocking=True)
+            self._back = torch.cuda.Event()
+            self._back.record(self._back_stream)
+
+    def wait_back(self) -> None:
+        """The calling thread: the compute stream waits for the copy back (no CPU synchronisation)."""
+        if self._back is not None:
+            torch.cuda.current_stream(self.device.device).wait_event(self._back)

@@ -1,0 +1,211 @@
+"""The host-side optimizer step as a pipeline: copies out, host Adam, copies back, on worker threads.
+
+[Note: the step pipeline]
+Where a family's optimizer states live on the host, its step has three stages: its gradients travel from the
+device to the host (D2H: in mixed precision the compute-dtype gradients in the param chunk, in 32-true the param
+chunk itself, which is the fp32 master there), Adam runs on the host, and the updated compute-dtype parameters
+travel back (H2D). A serial step runs them family after family on the calling thread, so it costs the sum of
+the three for every family. Here each stage has a worker thread of its own (a single-thread executor, so each
+stage keeps the submission order), and family k+1's gradients travel while Adam runs on family k and family
+k-1's parameters travel back: a step costs its slowest stage plus one family's latency.
+
+What stays the same as the serial step, so that the bits are the same:
+
+- the arithmetic: the Adam stage runs the very kernels of the serial step (:func:`~lightning_pstar.optim.kernels.
+  adam_on_plan`) on the same values (the gradients converted to fp32 exactly as ``Tensor.float()`` does, into a
+  persistent scratch buffer of the stage, scaled and clipped by the same factors), and writes the compute-dtype
+  copy into the chunk's host buffer as the serial step does;
+- the hyper-parameters: a job takes a copy of its param groups when it is submitted (a tensor learning rate is
+  cloned), so an LR scheduler stepping after ``optimizer.step()`` cannot reach a job still in flight;
+- the order within a family, and families are independent (each has its own slots and step counts).
+
+What the main thread keeps: every piece of bookkeeping (chunk and slot states, where parameters point, budget
+accounting, version counters) runs on the calling thread, when a job is submitted and when it is finished
+(:meth:`StepPipeline.finish`), never on a worker. A worker touches only the tensors its job was given. While a
+job is in flight its family is in the residency's ``stepping`` set: its param chunk is not evicted and its host
+buffer (the staging copy) is not dropped for room. The param chunk stays on the device: after the job, its host
+buffer is a current host copy (a later eviction copies nothing: [Note: clean evictions] in ``chunk.py``).
+
+The parameter copies back (H2D) are held until the backward is over (:meth:`StepPipeline.open_copies_back`):
+a family may step while the backward goes on (``optimizer_overlap="auto"``, [Note: stepping inside the backward]
+in ``optimizer.py``), and the device bytes of its param chunk must not change while autograd could still read
+them. Gradient copies and host Adam do not write the device.
+
+On CUDA the copies run on side streams: the D2H stage waits for an event the compute stream recorded when the job
+was submitted (after the kernels that wrote the gradients), copies into the pinned host buffer and waits for its
+own event on the worker; the H2D stage copies on its stream and records an event that the compute stream waits on
+when the job finishes ([Note: streams] in ``chunk.py``). On a CPU (the simulated device) a copy is a plain
+``copy_`` on its worker thread: torch releases the GIL inside it, as inside the fused Adam kernel, so the stages
+and the calling thread's compute run on different cores.
+
+A job that raises makes every later stage of it raise the same error; :meth:`StepPipeline.drain` waits for every
+job, finishes those that completed, and raises the first error.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+
+__all__ = ["HostJob", "StageTimes", "StepPipeline"]
+
+
+@dataclass
+class StageTimes:
+    """Seconds the pipeline's workers spent in each stage (summed over jobs), and jobs run: for benchmarks."""
+
+    d2h: float = 0.0
+    adam: float = 0.0
+    h2d: float = 0.0
+    wait: float = 0.0  # the calling thread, waiting for jobs to finish
+    jobs: int = 0
+    in_backward: int = 0  # jobs started by a backward ([Note: stepping inside the backward] in optim/optimizer.py)
+
+    def reset(self) -> None:
+        self.d2h = self.adam = self.h2d = self.wait = 0.0
+        self.jobs = self.in_backward = 0
+
+
+@dataclass(kw_only=True)
+class HostJob:
+    """One family's host step: three stage functions (run on workers, in order) and a finish (calling thread)."""
+
+    family_id: int
+    d2h: Callable[[], None]
+    adam: Callable[[torch.Tensor], None]  # given the Adam stage's fp32 scratch buffer
+    h2d: Callable[[], None]
+    finish: Callable[[], None]
+    scratch_numel: int  # elements of fp32 scratch the Adam stage needs
+    _done: Future[None] | None = field(default=None, repr=False)
+    _h2d_gate: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+class StepPipeline:
+    """Three single-thread stages (D2H, Adam, H2D) that host-side family steps flow through."""
+
+    def __init__(self) -> None:
+        self._stages: list[ThreadPoolExecutor] | None = None
+        self._jobs: dict[int, HostJob] = {}  # family id -> job in flight, in submission order
+        self._scratch: torch.Tensor | None = None  # fp32, owned by the Adam stage
+        self._copies_back_open = True
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self.times = StageTimes()
+
+    def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+        """The copy streams of the D2H and H2D stages on CUDA (two, so both directions may copy at once); None
+        on any other device."""
+        if device.type != "cuda":
+            return None
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams
+
+    # ---- submission ----------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether a job is in flight (submitted and not finished)."""
+        return bool(self._jobs)
+
+    def in_flight(self, family_id: int) -> bool:
+        return family_id in self._jobs
+
+    def hold_copies_back(self) -> None:
+        """Jobs submitted from now on keep their H2D stage waiting until :meth:`open_copies_back` (a backward runs)."""
+        self._copies_back_open = False
+
+    def open_copies_back(self) -> None:
+        """Let every held H2D stage run (the backward is over: the device bytes are no longer read by autograd)."""
+        self._copies_back_open = True
+        for job in self._jobs.values():
+            job._h2d_gate.set()
+
+    def submit(self, job: HostJob) -> None:
+        """Start ``job``'s stages on the workers; it is finished by :meth:`wait` or :meth:`drain`."""
+        if job.family_id in self._jobs:
+            raise RuntimeError(f"PatrickStar internal error: family {job.family_id} is already stepping")
+        d2h, adam, h2d = self._workers()
+        if self._copies_back_open:
+            job._h2d_gate.set()
+        first = d2h.submit(self._timed, "d2h", job.d2h)
+        second = adam.submit(self._after, first, "adam", lambda: job.adam(self._scratch_for(job.scratch_numel)))
+        job._done = h2d.submit(self._after_gate, second, job)
+        self._jobs[job.family_id] = job
+
+    # ---- completion ----------------------------------------------------------------------------------------
+    def wait(self, family_id: int) -> None:
+        """Finish the job of ``family_id`` if one is in flight (its stages done, then its bookkeeping)."""
+        job = self._jobs.get(family_id)
+        if job is None:
+            return
+        job._h2d_gate.set()  # a reader needs it now
+        self._finish(job)
+
+    def drain(self) -> None:
+        """Finish every job in flight, in submission order; raise the first error once all have stopped."""
+        if not self._jobs:
+            return
+        self.open_copies_back()
+        failed: BaseException | None = None
+        for job in list(self._jobs.values()):
+            try:
+                self._finish(job)
+            except BaseException as error:  # noqa: BLE001 - re-raised below, after the other jobs stopped
+                failed = failed or error
+        if failed is not None:
+            raise failed
+
+    def close(self) -> None:
+        """Finish what is in flight and stop the workers (the run ends)."""
+        try:
+            self.drain()
+        finally:
+            if self._stages is not None:
+                for stage in self._stages:
+                    stage.shutdown(wait=True)
+                self._stages = None
+            self._scratch = None
+
+    def _finish(self, job: HostJob) -> None:
+        assert job._done is not None
+        start = perf_counter()
+        try:
+            job._done.result()
+        finally:
+            self.times.wait += perf_counter() - start
+            del self._jobs[job.family_id]
+        job.finish()
+        self.times.jobs += 1
+
+    # ---- workers -------------------------------------------------------------------------------------------
+    def _workers(self) -> list[ThreadPoolExecutor]:
+        if self._stages is None:
+            names = ("d2h", "adam", "h2d")
+            self._stages = [ThreadPoolExecutor(1, thread_name_prefix=f"pstar-{name}") for name in names]
+        return self._stages
+
+    def _scratch_for(self, numel: int) -> torch.Tensor:
+        """The Adam stage's fp32 scratch (only that stage's thread calls this): grown, never shrunk."""
+        if self._scratch is None or self._scratch.numel() < numel:
+            self._scratch = torch.empty(numel, dtype=torch.float32)
+        return self._scratch[:numel]
+
+    def _timed(self, stage: str, fn: Callable[[], None]) -> None:
+        start = perf_counter()
+        try:
+            fn()
+        finally:
+            setattr(self.times, stage, getattr(self.times, stage) + perf_counter() - start)
+
+    def _after(self, previous: Future[None], stage: str, fn: Callable[[], None]) -> None:
+        previous.result()  # an earlier stage's error is this stage's
+        self._timed(stage, fn)
+
+    def _after_gate(self, previous: Future[None], job: HostJob) -> None:
+        previous.result()
+        job._h2d_gate.wait()
+        self._timed("h2d", job.h2d)
