@@ -76,6 +76,13 @@ class MemoryReport:
     clean_bytes: int = 0  # bytes those clean moves did not copy
     dirty_moves: int = 0  # moves off the device that copied the bytes back
     host_copy_bytes: int = 0  # host copies of device-resident chunks, kept for clean evictions
+    # the host-side optimizer step ([Note: the step pipeline] in runtime/pipeline.py)
+    optimizer_overlap: str = "auto"  # the schedule asked for: "auto" (pipelined) or "off" (serial)
+    host_step_jobs: int = 0  # family steps that ran through the pipeline
+    host_steps_in_backward: int = 0  # ... of which started during the backward
+    step_d2h_bytes: int = 0  # copied to the host by those steps (also counted in d2h_bytes)
+    step_h2d_bytes: int = 0  # copied back to the device by them (also counted in h2d_bytes)
+    step_stage_seconds: dict[str, float] = field(default_factory=dict)  # worker seconds per stage, and the wait
 
     @property
     def padded_bytes_per_param(self) -> float:
@@ -129,6 +136,10 @@ class MemoryReport:
             ("placement", self.placement),
             ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),
             ("optimizer runs on", self.optimizer_tier),
+            (
+                "host steps (in backward)",
+                f"{self.host_step_jobs} ({self.host_steps_in_backward}), overlap {self.optimizer_overlap}",
+            ),
             ("rank / world size", f"{self.rank} / {self.world_size}"),
             ("all-gathered", fmt(self.gathered_bytes)),
             ("reduce-scattered", fmt(self.reduced_bytes)),

@@ -8,7 +8,7 @@ run), or returns None where the family does not step this way (the caller then r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ def host_job(
     plan: WholeFamilyPlan,
     *,
     groups: list[dict[str, Any]],
-    steps: list[torch.Tensor],
+    steps_of: Callable[[], list[torch.Tensor]],
     inv_scale: float,
     coef: float,
     clip_value: float | None,
@@ -59,8 +59,8 @@ def host_job(
 ) -> HostJob | None:
     """The pipelined host step of ``family`` (Adam over ``plan``), or None where the serial step must run: its
     optimizer states are not on the host, its param chunk is not on the device, or its gradients are not where
-    the whole-family step reads them. ``groups``: :func:`snapshot_groups` of the optimizer's groups; ``steps``:
-    the records' step counts (on the host); ``streams``: the pipeline's two copy streams (CUDA only)."""
+    the whole-family step reads them. ``groups``: :func:`snapshot_groups` of the optimizer's groups; ``steps_of``:
+    gives the records' step counts on the host (called once the job is sure to run: a count is state); ``streams``: the pipeline's two copy streams (CUDA only)."""
     residency = manager.residency
     chunk = family.param_chunk
     mixed = manager.mixed
@@ -74,6 +74,7 @@ def host_job(
     master_chunk = family.chunks.get(ChunkKind.MASTER)
     if mixed and (master_chunk is None or master_chunk.tier is not Tier.HOST):
         return None
+    steps = steps_of()
     host, current = residency.stage_host(family)
     device = chunk.device_buffer
     states = (family.chunks[ChunkKind.EXP_AVG].data, family.chunks[ChunkKind.EXP_AVG_SQ].data)

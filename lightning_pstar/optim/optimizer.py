@@ -202,7 +202,7 @@ class ChunkedOptimizer(Optimizer):
             family,
             plan,
             groups=snapshot_groups(self.param_groups),
-            steps=[self._book.step_tensor(r, torch.device("cpu")) for r in family.records],
+            steps_of=lambda: [self._book.step_tensor(r, torch.device("cpu")) for r in family.records],
             inv_scale=policy.inv_scale,
             coef=coef,
             clip_value=policy.clip_value,

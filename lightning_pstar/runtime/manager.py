@@ -535,4 +535,6 @@ class ChunkManager:
             precision=self.precision,
             moment_chunk_bytes=self.moment_chunk_bytes,
             names=self._module_names,
+            pipeline=self.pipeline,
+            overlap=self.config.placement.optimizer_overlap.value,
         )

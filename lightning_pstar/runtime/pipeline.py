@@ -66,6 +66,9 @@ class StageTimes:
     jobs: int = 0
     in_backward: int = 0  # jobs started by a backward ([Note: stepping inside the backward] in optim/optimizer.py)
 
+    def seconds(self) -> dict[str, float]:
+        return {"d2h": self.d2h, "adam": self.adam, "h2d": self.h2d, "wait": self.wait}
+
     def reset(self) -> None:
         self.d2h = self.adam = self.h2d = self.wait = 0.0
         self.jobs = self.in_backward = 0

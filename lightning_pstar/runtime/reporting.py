@@ -11,6 +11,7 @@ from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.family import ParamTable
 from lightning_pstar.runtime.pinned import host_arena
+from lightning_pstar.runtime.pipeline import StepPipeline
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding
 from lightning_pstar.runtime.state import Tier
@@ -44,6 +45,8 @@ def build_report(
     precision: str,
     moment_chunk_bytes: Mapping[int, int],
     names: Sequence[str],
+    pipeline: StepPipeline | None = None,
+    overlap: str = "auto",
 ) -> MemoryReport:
     trace = tracer.trace
     stats = residency.stats
@@ -95,4 +98,10 @@ def build_report(
         clean_bytes=stats.clean_bytes,
         dirty_moves=stats.dirty_moves,
         host_copy_bytes=stats.host_copy_bytes,
+        optimizer_overlap=overlap,
+        host_step_jobs=pipeline.times.jobs if pipeline is not None else 0,
+        host_steps_in_backward=pipeline.times.in_backward if pipeline is not None else 0,
+        step_d2h_bytes=stats.step_d2h_bytes,
+        step_h2d_bytes=stats.step_h2d_bytes,
+        step_stage_seconds=pipeline.times.seconds() if pipeline is not None else {},
     )

@@ -233,16 +233,25 @@ class Residency:
             self.check_host_room(chunk.nbytes, spare=chunk)
         staged = chunk.stage_host_copy()
         self.stepping.add(family.family_id)
-        if not staged[1]:
-            self.stats.step_d2h_bytes += chunk.nbytes  # the step's first stage copies it
+        if staged[1]:  # the host copy is current: the step's first stage copies nothing (as a clean move)
+            self.stats.clean_bytes += chunk.nbytes
+        else:  # the step's first stage copies it
+            self.stats.step_d2h_bytes += chunk.nbytes
+            self.stats.d2h_bytes += chunk.nbytes
+            self.stats.moved_bytes += chunk.nbytes  # what placing the step on the host costs, as a move would
         return staged
 
     def unstage(self, family: ChunkFamily) -> None:
         """The host-side step of ``family`` is done: its host buffer is a current copy of the device bytes."""
         self.stepping.discard(family.family_id)
         chunk = family.param_chunk
-        chunk.adopt_host_copy()
+        if self.clean_evictions:
+            chunk.adopt_host_copy()
+        else:  # no host copies are kept ([Note: clean evictions] in chunk.py)
+            chunk.drop_host_copy()
         self.stats.step_h2d_bytes += chunk.nbytes
+        self.stats.h2d_bytes += chunk.nbytes
+        self.stats.moved_bytes += chunk.nbytes
         self._param_versions[family.family_id] = tuple(r.param._version for r in family.records)
 
     # ---- iterations --------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ BAD: dict[str, list[Any]] = {
     "static_chunk_fraction": [0, 1.5, "0.5", None, math.nan],
     "warmup_chunk_fraction": [0, 1.5, "0.5", None, math.nan],
     "placement": ["fast", "AUTO ", 1, None, True],
+    "optimizer_placement": ["gpu", "HOST ", 1, None, True],
+    "optimizer_overlap": ["fast", "on", 0, None, True],
     "frozen_master": ["yes", 1, None],
     "loss_scale": ["big", 5, [1]],
     "checkpoint": ["zip", None, 1, True],

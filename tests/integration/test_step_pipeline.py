@@ -1,0 +1,201 @@
+"""The host-side optimizer step as a pipeline (``optimizer_overlap="auto"``) against the serial step ("off").
+
+Both sides put every optimizer-state family on the host (``optimizer_placement="host"``), as ZeRO-Offload does,
+and train the same seed and data; every schedule must give the serial step's losses, weights and optimizer states
+bit for bit ([Note: the step pipeline] in ``runtime/pipeline.py``). Where nothing can read gradients between the
+backward and the step, families step during the backward ([Note: stepping inside the backward] in
+``optim/optimizer.py``); the report says how many did, so each test also checks which schedule ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
+from lightning_pstar.config import PStarConfig
+from lightning_pstar.precision import PatrickStarPrecision
+from lightning_pstar.report import MemoryReport
+from lightning_pstar.runtime.hooks import ModelHooks
+from lightning_pstar.runtime.manager import ChunkManager
+from tests.helpers import TinyLM, assert_states_equal
+from tests.helpers.fabric_loop import LoopSpec, train
+from tests.helpers.models import TinyGPT
+from tests.helpers.runs import LM, FitResult, OptimSpec, fit_steps
+
+HOST = {"optimizer_placement": "host", "chunk_size": 4096}
+STEPS = 5
+
+
+class Peek(L.Callback):
+    """The memory report at the end of training (while the engine still runs)."""
+
+    report: MemoryReport | None = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.report = trainer.strategy.memory_report()  # type: ignore[attr-defined]
+
+
+class TwoGroupLM(LM):
+    """:class:`LM` with two param groups (no weight decay on biases and norms) and a cosine schedule per step."""
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        rest = [p for n, p in self.named_parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 1e-3}]
+        optimizer = torch.optim.AdamW(groups, lr=3e-3, fused=True)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ManualLM(LM):
+    """:class:`LM` under manual optimization: ``manual_backward`` then ``opt.step()`` and ``zero_grad``."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: TinyGPT())
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        opt.zero_grad()  # type: ignore[union-attr]
+        return loss.detach()
+
+
+def _per_step(report: MemoryReport) -> int:
+    """Pipelined family steps per optimizer step (every trainable family, when all of them pipeline)."""
+    assert report.host_step_jobs % STEPS == 0, report.host_step_jobs
+    return report.host_step_jobs // STEPS
+
+
+def _gpt() -> LM:
+    return LM(lambda: TinyGPT())
+
+
+def _pair(make: Any, precision: str, **kwargs: Any) -> tuple[list[FitResult], list[MemoryReport]]:
+    results, reports = [], []
+    options = {**HOST, **kwargs.pop("options", {})}
+    for overlap in ("off", "auto"):
+        peek = Peek()
+        strategy = PatrickStarStrategy(optimizer_overlap=overlap, **options)
+        if precision == "16-mixed":  # on a CPU Lightning rewrites precision="16-mixed": pass the plugin
+            kwargs["plugins"] = [PatrickStarPrecision("16-mixed")]
+        results.append(fit_steps(make(), strategy, precision=precision, steps=STEPS, callbacks=[peek], **kwargs))
+        assert peek.report is not None
+        reports.append(peek.report)
+    serial, pipelined = results
+    assert pipelined.losses == serial.losses
+    assert_states_equal(pipelined.final, serial.final, what="optimizer_overlap='auto' against 'off'")
+    return results, reports
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_pipelined_step_is_the_serial_step(precision: str) -> None:
+    _, (serial, pipelined) = _pair(_gpt, precision)
+    assert serial.host_step_jobs == 0 and serial.optimizer_tier == "host"
+    families = _per_step(pipelined)
+    assert families >= pipelined.num_chunks - 1  # all but the frozen Linear's chunk
+    if precision == "16-mixed":  # the overflow check needs every gradient before any family steps
+        assert pipelined.host_steps_in_backward == 0
+    else:  # every step after the warm-up's started its families inside the backward
+        assert pipelined.host_steps_in_backward == (STEPS - 1) * families
+    assert pipelined.step_d2h_bytes > 0 and pipelined.step_h2d_bytes > 0
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_clipping_steps_after_the_backward(algorithm: str) -> None:
+    _, (_, pipelined) = _pair(_gpt, "bf16-mixed", gradient_clip_val=0.05, gradient_clip_algorithm=algorithm)
+    assert _per_step(pipelined) >= pipelined.num_chunks - 1
+    assert pipelined.host_steps_in_backward == 0
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_accumulation_groups_and_schedule(precision: str) -> None:
+    (serial, pipelined), (_, report) = _pair(
+        lambda: TwoGroupLM(lambda: TinyGPT()), precision, accumulate_grad_batches=2
+    )
+    assert pipelined.recorder.lrs == serial.recorder.lrs and len(set(serial.recorder.lrs)) > 2
+    if precision == "32-true":  # the fp32 GRAD chunk holds the sum: the whole-family step applies
+        assert report.host_steps_in_backward == (STEPS - 1) * _per_step(report) > 0
+
+
+def test_sgd_and_hooks_take_the_serial_path() -> None:
+    """SGD has no pipelined kernel, and a LightningModule overriding ``on_before_optimizer_step`` may read
+    gradients: both still give the serial step's bits."""
+    _, (_, sgd) = _pair(lambda: LM(lambda: TinyGPT(), optim="sgd"), "bf16-mixed")
+    assert sgd.host_step_jobs == 0
+    _, (_, hooked) = _pair(lambda: TinyLM(optim=OptimSpec(name="adamw", weight_decay=0.1)), "bf16-mixed")
+    assert _per_step(hooked) > 0 and hooked.host_steps_in_backward == 0
+
+
+def test_manual_optimization() -> None:
+    _, (_, report) = _pair(ManualLM, "bf16-mixed")
+    assert _per_step(report) > 0 and report.host_steps_in_backward == 0
+
+
+def test_tight_device_budget() -> None:
+    """Param chunks evicted and fetched around a pipelined step: the jobs' families are never evicted under them."""
+    _, (serial, pipelined) = _pair(_gpt, "bf16-mixed", options={"device_memory_limit": "400KiB"})
+    assert serial.evictions > 0 and pipelined.evictions > 0
+    assert pipelined.host_steps_in_backward > 0
+
+
+def test_checkpoints_taken_at_every_step_match(tmp_path: Path) -> None:
+    paths = {}
+    for overlap in ("off", "auto"):
+        ckpt = ModelCheckpoint(dirpath=tmp_path / overlap, every_n_train_steps=1, save_top_k=-1)
+        strategy = PatrickStarStrategy(optimizer_overlap=overlap, **HOST)
+        fit_steps(_gpt(), strategy, precision="bf16-mixed", steps=3, callbacks=[ckpt], enable_checkpointing=True)
+        paths[overlap] = sorted((tmp_path / overlap).glob("*.ckpt"))
+    assert [p.name for p in paths["off"]] == [p.name for p in paths["auto"]] and len(paths["off"]) == 3
+    for off, auto in zip(paths["off"], paths["auto"], strict=True):
+        a, b = torch.load(off, weights_only=True), torch.load(auto, weights_only=True)
+        assert_states_equal(b["state_dict"], a["state_dict"], what=f"{auto.name} weights")
+        for index, state in a["optimizer_states"][0]["state"].items():
+            got = b["optimizer_states"][0]["state"][index]
+            for key, value in state.items():
+                assert torch.equal(got[key], value), (auto.name, index, key)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_fabric(clip: bool) -> None:
+    runs = []
+    for overlap in ("off", "auto"):
+        strategy = PatrickStarFabricStrategy(optimizer_overlap=overlap, **HOST)
+        spec = LoopSpec(strategy=strategy, precision="bf16-mixed", steps=4, two_groups=True, scheduler=True)
+        if clip:
+            spec.clip_norm = 0.5
+        runs.append(train(spec))
+    assert runs[1].losses == runs[0].losses
+    assert_states_equal(runs[1].state, runs[0].state, what="Fabric, optimizer_overlap='auto' against 'off'")
+
+
+def test_a_gradient_after_the_family_started_its_step_raises() -> None:
+    """A family that started its step inside the backward takes no further gradient (it would be lost): the
+    gradient store offers each family once its final gradients all landed, and refuses a later one by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    config = PStarConfig.from_flat(chunk_size=160, placement="static")
+    manager = ChunkManager(model, config=config, compute_dtype=torch.bfloat16, device=torch.device("cpu"))
+    manager.materialise()
+    hooks = ModelHooks(manager)
+    hooks.install()
+    offered: list[int] = []
+    manager.grads.on_final = lambda family: (offered.append(family.family_id), True)[1]
+    with hooks.saved_tensors():
+        out = model(torch.randn(4, 8).bfloat16())
+    out.float().pow(2).mean().backward()
+    families = sorted({r.family.family_id for r in manager.records})
+    assert sorted(offered) == families and manager.grads.stepped == set(families)
+    record = manager.records[0]
+    with pytest.raises(RuntimeError, match=f"parameter '{record.slot.name}'.*received another gradient"):
+        manager.grad_ready(record, torch.ones_like(record.param, dtype=torch.bfloat16))
+    hooks.remove()
