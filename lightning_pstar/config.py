@@ -117,8 +117,17 @@ class OptimizerOverlap(_ValueEnum):
     OFF = "off"
     """The serial step: each family's gradients go to the host, Adam runs, the parameters come back, family
     after family, on the calling thread."""
+    NEXT_FORWARD = "next_forward"
+    """Opt-in: "auto", and ``optimizer.step()`` returns while the last families still step; the next forward
+    runs meanwhile, each module waiting only for its own families. Every reader the engine sees (a module's
+    forward, state dicts, checkpoints, evaluation, zero_grad, teardown) waits, but a weight read outside its own
+    module's forward (in ``training_step``, a callback, a parent module's forward) before that module runs is
+    not seen: until its family's step is done such a read raises an error that says so, instead of reading a
+    half-updated weight. One rank, no compiled modules
+    (elsewhere it runs as "auto")."""
     auto = "auto"  # alias, see [Note: enums in OmegaConf]
     off = "off"  # alias
+    next_forward = "next_forward"  # alias
 
 
 class CheckpointFormat(_ValueEnum):
@@ -272,8 +281,9 @@ class PlacementConfig:
     (every family, ZeRO-Offload style) or "device" (every family; refused at setup where it does not fit); see
     :class:`OptimizerPlacement`."""
     optimizer_overlap: OptimizerOverlap = OptimizerOverlap.AUTO
-    """How a host-side step overlaps its transfers and the backward: "auto" (the fastest exact schedule) or
-    "off" (the serial step); see :class:`OptimizerOverlap`."""
+    """How a host-side step overlaps its transfers and the backward: "auto" (the fastest exact schedule that
+    every reader waits for), "next_forward" (opt-in: the step's tail also overlaps the next forward) or "off"
+    (the serial step); see :class:`OptimizerOverlap`."""
 
     def __post_init__(self) -> None:
         self.policy = Placement.coerce(self.policy, name="placement.policy")

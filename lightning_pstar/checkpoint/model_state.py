@@ -49,6 +49,7 @@ def master_view(record: ParamRecord) -> torch.Tensor:
 def family_values(manager: ChunkManager, family: ChunkFamily, *, rank0_only: bool = False) -> torch.Tensor:
     """The fp32 truth of a whole family (1-D, capacity), from its owner on every rank, or only on rank 0
     with ``rank0_only`` (a collective when there are several ranks; on one rank a view of the chunk)."""
+    manager.finish_steps()  # a step in flight ends first ([Note: the step pipeline] in runtime/pipeline.py)
     owns = manager.owns(family)
     chunk = family.chunks.get(ChunkKind.MASTER) if owns else None
     if chunk is None and owns:
@@ -93,6 +94,7 @@ def full_state_dict(manager: ChunkManager, *, rank0_only: bool = False) -> dict[
     With ``rank0_only`` (what checkpoints use) the weights stream family by family to rank 0 and the
     other ranks return an empty dict.
     """
+    manager.finish_steps()  # a step in flight ends first ([Note: the step pipeline] in runtime/pipeline.py)
     with torch.no_grad():
         by_index = _all_values(manager, rank0_only=rank0_only, to_cpu=True)
         if rank0_only and manager.rank != 0:
@@ -173,6 +175,7 @@ def _local_values(family: ChunkFamily) -> torch.Tensor:
 
 def owned_tensors(manager: ChunkManager) -> dict[str, torch.Tensor]:
     """``model/<name>`` -> fp32 CPU value of every parameter this rank owns (a sharded save)."""
+    manager.finish_steps()  # a step in flight ends first ([Note: the step pipeline] in runtime/pipeline.py)
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for family in manager.families:
@@ -241,6 +244,7 @@ def restore_module(manager: ChunkManager, device: torch.device) -> None:
     holds the chunks and a full copy of the model at once (issue 12: at most one family's copy beside the
     chunks still held). The idle pinned blocks the chunks leave are given back at the end.
     """
+    manager.finish_steps()  # a step in flight ends first ([Note: the step pipeline] in runtime/pipeline.py)
     for family in manager.families:
         restore_family(manager, family, device)
     host_arena().release()

@@ -39,9 +39,10 @@ A step runs one of three paths per parameter set, all with the same kernels:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,11 +52,12 @@ from torch.optim import Optimizer
 import lightning_pstar.optim.kernels as kernels
 from lightning_pstar.config import OptimizerOverlap
 from lightning_pstar.optim.grads import family_grads, host_grads, whole_family_grad_range
-from lightning_pstar.optim.host_step import host_job, snapshot_groups
+from lightning_pstar.optim.host_step import host_job, park, snapshot_groups, unpark
 from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.hooks import holds_compiled_code
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.pipeline import HostJob
 from lightning_pstar.runtime.state import Tier
@@ -133,7 +135,10 @@ class ChunkedOptimizer(Optimizer):
         own = {r.family.family_id for r in self._records}
         self._families = [f for f in manager.families if f.family_id in own]
         self._own_ids = own
-        self._overlap = manager.config.placement.optimizer_overlap is OptimizerOverlap.AUTO
+        overlap = manager.config.placement.optimizer_overlap
+        self._overlap = overlap is not OptimizerOverlap.OFF
+        # optimizer_overlap="next_forward": the step's last families go on stepping after step() returns
+        self._tail = overlap is OptimizerOverlap.NEXT_FORWARD and _tail_possible(manager)
         kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if self._book.is_adam else []
         if not self._book.is_adam and any(g["momentum"] != 0 for g in self.param_groups):
             kinds = [ChunkKind.EXP_AVG]
@@ -161,7 +166,10 @@ class ChunkedOptimizer(Optimizer):
             read, self._read_norm = self._read_norm, None
             on_host = read.on_host if read is not None else self._host_grads()
             coef = self._clip_coefficient(families, on_host, read)
-            early = manager.grads.stepped
+            early = set(manager.grads.stepped)
+            leftover = set(manager.pipeline.family_ids) - early  # the last step's tail no module waited for
+            if leftover:
+                manager.pipeline.drain(only=leftover)
             if coef is None:
                 assert not early, "PatrickStar internal error: a step inside the backward was skipped"
                 self.last_step = StepResult(skipped=True)
@@ -170,7 +178,12 @@ class ChunkedOptimizer(Optimizer):
             assert coef == 1.0 or not early, "PatrickStar internal error: a step inside the backward needed clipping"
             try:
                 self._step_families([f for f in families if f.family_id not in early], coef)
-            finally:
+            except BaseException:
+                manager.finish_steps()
+                raise
+            if self._tail:
+                self._leave_in_flight()
+            else:
                 manager.finish_steps()  # the jobs in flight end before anything else runs
             manager.weights_version += 1  # weights autograd saved by reference are stale now
             self._step_host_params(on_host, coef)
@@ -187,6 +200,25 @@ class ChunkedOptimizer(Optimizer):
                 self._manager.pipeline.submit(job)
             else:
                 self._step_family(family, coef)
+
+    def _leave_in_flight(self) -> None:
+        """``optimizer_overlap="next_forward"``: return while jobs are in flight. Their parameters are parked until
+        the job is done ([Note: parked parameters] in ``host_step.py``: a read outside the engine fails loudly
+        instead of reading a half-updated weight); each job then points them back at their slots and forgets its
+        family's gradients, as ``zero_grad`` does for the families already done."""
+        manager = self._manager
+        manager.grads.on_final = None
+        manager.grads.stepped.clear()
+        for fid in manager.pipeline.family_ids:
+            job = manager.pipeline.job(fid)
+            assert job is not None
+            family = manager.families[fid]
+            params = [record.param for record in family.records]
+            park(params)
+            job.before.append(functools.partial(_unpark_all, params))
+            ours = [r for r in family.records if r.index in self._book.group_of]
+            job.after.append(functools.partial(_settle_in_flight, manager, family, ours))
+        manager.tailing = manager.pipeline.busy
 
     def _host_job(self, family: ChunkFamily, coef: float) -> HostJob | None:
         """The pipelined host step of ``family`` (whole-family Adam), or None where the serial step runs."""
@@ -518,6 +550,33 @@ class ChunkedOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"ChunkedOptimizer({type(self._user_optimizer).__name__}, groups={len(self.param_groups)})"
+
+
+def _tail_possible(manager: ChunkManager) -> bool:
+    """Whether ``optimizer_overlap="next_forward"`` can run as asked: one rank (several ranks gather owned chunks
+    as send buffers at any point of the next forward) and no compiled module (dynamo guards on the parameters at
+    the call, before a module's hook can wait); elsewhere it runs as "auto", said once here."""
+    why = ""
+    if manager.sharding.distributed:
+        why = "several ranks"
+    elif holds_compiled_code(manager.module):
+        why = "a compiled module"
+    if why:
+        log.warning("PatrickStar: optimizer_overlap='next_forward' runs as 'auto' with %s.", why)
+    return not why
+
+
+def _settle_in_flight(manager: ChunkManager, family: ChunkFamily, records: list[ParamRecord]) -> None:
+    """A job left in flight by ``step()`` is done: its parameters point at their slots again and its gradients are
+    forgotten (what ``zero_grad`` did for the other families)."""
+    for record in family.records:
+        manager.residency.point_at_chunk(record)
+    manager.grads.discard(records)
+
+
+def _unpark_all(params: Sequence[torch.Tensor]) -> None:
+    for param in params:
+        unpark(param)
 
 
 def _check_options(optimizer: Optimizer, manager: ChunkManager) -> None:

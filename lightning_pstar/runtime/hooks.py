@@ -59,7 +59,7 @@ from lightning_pstar.runtime.family import ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import TensorState
 
-__all__ = ["ModelHooks"]
+__all__ = ["ModelHooks", "holds_compiled_code"]
 
 _profiling = torch._C._autograd._profiler_enabled
 _graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outside one)
@@ -77,7 +77,7 @@ def _as_is(fn: Any) -> Any:
     return fn
 
 
-def _holds_compiled_code(module: nn.Module) -> bool:
+def holds_compiled_code(module: nn.Module) -> bool:
     """Whether ``module`` runs compiled code: ``torch.compile`` of the LightningModule (Lightning keeps the
     compile context on it) or of a submodule (an ``OptimizedModule`` in the tree)."""
     if getattr(module, "_compiler_ctx", None) is not None:
@@ -151,7 +151,7 @@ class ModelHooks:
         self.manager = manager
         self._handles: list[Any] = []
         # [Note: hooks under torch.compile]: eager hooks when the model holds compiled code, else plain ones
-        self._eager: Any = torch.compiler.disable if _holds_compiled_code(manager.module) else _as_is
+        self._eager: Any = torch.compiler.disable if holds_compiled_code(manager.module) else _as_is
         # autograd calls these from inside a compiled forward: dynamo must not trace them as frames
         self._eager_pack = self._eager(self._pack)
         self._eager_unpack = self._eager(self._unpack)

@@ -119,6 +119,8 @@ class ChunkManager:
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
         # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
         self.pipeline = StepPipeline()
+        self.tailing = False  # an optimizer.step() returned with steps in flight (optimizer_overlap="next_forward")
+        self.residency.finish_stepping = self._finish_steps_for_room  # when room is short, steps in flight end
         module_groups = [
             {group_of(r.family.family_id, self.world_size) for r in records}
             for records in self.table.module_records.values()
@@ -305,12 +307,16 @@ class ChunkManager:
     # ---- the iteration's verbs --------------------------------------------------------------------------
     def begin_training_batch(self) -> None:
         """A training micro-batch starts; the first one of the run starts the warm-up trace."""
-        self.finish_steps()
+        self.finish_steps(keep_tail=True)  # optimizer_overlap="next_forward": its modules wait for their families
         self.finish_backward()
         self.end_warmup_if_stepped()
         self.residency.close_step()
         self.residency.begin_batch(warmed_up=self.tracer.warmed_up)
-        self.grads.carry_over(self.records)  # gradients no step consumed yet (manual accumulation)
+        # gradients no step consumed yet (manual accumulation); a family still stepping has consumed its own
+        stepping = self.residency.stepping
+        self.grads.carry_over(
+            [r for r in self.records if r.family.family_id not in stepping] if stepping else self.records
+        )
         self.phase = Phase.TRAINING
         self.sharding.begin_pass()
         if not self.tracer.warmed_up and not self.tracer.recording:
@@ -363,6 +369,8 @@ class ChunkManager:
         ``module`` the index of the module whose forward needs them (ZeRO: its place in the sweep).
         """
         residency = self.residency
+        if self.tailing:  # optimizer_overlap="next_forward": this module waits for its own families' steps
+            self.wait_for_families(records)
         if self.stationary and not residency.stats.param_chunks_on_host:  # [Note: stationary chunks]
             if residency.step_open:
                 residency.close_step()
@@ -464,10 +472,12 @@ class ChunkManager:
 
     def discard_grads(self, records: Sequence[ParamRecord] | None = None) -> None:
         """Forget the gradients of ``records`` (default: all; an optimizer's ``zero_grad`` passes its own);
-        weights overwritten by gradients are restored from the masters."""
-        self.finish_steps()
+        weights overwritten by gradients are restored from the masters. A family whose step is in flight consumed
+        its gradients: its job forgets them when it finishes ([Note: the step pipeline])."""
         self.sharding.discard()
-        self.grads.discard(self.records if records is None else records)
+        records = self.records if records is None else records
+        stepping = self.residency.stepping
+        self.grads.discard([r for r in records if r.family.family_id not in stepping] if stepping else records)
 
     # ---- the optimizer step and the end of the warm-up -------------------------------------------------
     def step_moment(self) -> None:
@@ -512,17 +522,42 @@ class ChunkManager:
         self.grads.on_final = None
         self.pipeline.open_copies_back()
 
-    def finish_steps(self) -> None:
+    def finish_steps(self, *, keep_tail: bool = False) -> None:
         """Finish every host-side optimizer step in flight and stop stepping inside the backward: before anything
-        reads or writes weights, gradients or optimizer states outside the step ([Note: the step pipeline])."""
+        reads or writes weights, gradients or optimizer states outside the step ([Note: the step pipeline]).
+        ``keep_tail``: steps an ``optimizer.step()`` left in flight (``optimizer_overlap="next_forward"``) go on;
+        the modules that need their families wait for them (:meth:`access`)."""
         self.grads.on_final = None
+        if keep_tail and self.tailing:
+            return
         try:
             self.pipeline.drain()
         finally:
             self.grads.stepped.clear()
+            self.tailing = False
+
+    def _finish_steps_for_room(self) -> None:
+        """The device budget needs room that param chunks of families still stepping hold: finish their steps
+        (after the backward), or refuse (inside it: their copies back must wait for the backward's end)."""
+        if not self.pipeline.copies_back_open:
+            raise MemoryBudgetError(
+                "the device budget needs room that param chunks of families stepping during the backward hold"
+                f" (families {sorted(self.residency.stepping)}, optimizer_overlap="
+                f"'{self.config.placement.optimizer_overlap.value}'). HINT: raise device_memory_limit, or set"
+                " optimizer_overlap='off'."
+            )
+        self.finish_steps()
+
+    def wait_for_families(self, records: Sequence[ParamRecord]) -> None:
+        """Finish the steps in flight of the families of ``records`` (a module is about to read them)."""
+        pipeline = self.pipeline
+        for record in records:
+            if pipeline.in_flight(record.family.family_id):
+                pipeline.wait(record.family.family_id)
+        if not pipeline.busy:
+            self.tailing = False
 
     def memory_report(self) -> MemoryReport:
-        self.finish_steps()
         if not self._module_names:
             self._module_names = module_names(self.module, self.table)
         return build_report(

@@ -84,6 +84,8 @@ class HostJob:
     h2d: Callable[[], None]
     finish: Callable[[], None]
     scratch_numel: int  # elements of fp32 scratch the Adam stage needs
+    before: list[Callable[[], None]] = field(default_factory=list)  # bookkeeping before ``finish`` (calling thread)
+    after: list[Callable[[], None]] = field(default_factory=list)  # ... and after it
     _done: Future[None] | None = field(default=None, repr=False)
     _h2d_gate: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -117,6 +119,20 @@ class StepPipeline:
     def in_flight(self, family_id: int) -> bool:
         return family_id in self._jobs
 
+    def job(self, family_id: int) -> HostJob | None:
+        """The job of ``family_id`` in flight, if any."""
+        return self._jobs.get(family_id)
+
+    @property
+    def family_ids(self) -> list[int]:
+        """Families whose job is in flight, in submission order."""
+        return list(self._jobs)
+
+    @property
+    def copies_back_open(self) -> bool:
+        """Whether jobs' H2D stages may run now (no backward holds them: :meth:`hold_copies_back`)."""
+        return self._copies_back_open
+
     def hold_copies_back(self) -> None:
         """Jobs submitted from now on keep their H2D stage waiting until :meth:`open_copies_back` (a backward runs)."""
         self._copies_back_open = False
@@ -148,13 +164,14 @@ class StepPipeline:
         job._h2d_gate.set()  # a reader needs it now
         self._finish(job)
 
-    def drain(self) -> None:
-        """Finish every job in flight, in submission order; raise the first error once all have stopped."""
+    def drain(self, *, only: set[int] | None = None) -> None:
+        """Finish every job in flight (``only``: of these families), in submission order; raise the first error once
+        all have stopped."""
         if not self._jobs:
             return
         self.open_copies_back()
         failed: BaseException | None = None
-        for job in list(self._jobs.values()):
+        for job in [j for fid, j in self._jobs.items() if only is None or fid in only]:
             try:
                 self._finish(job)
             except BaseException as error:  # noqa: BLE001 - re-raised below, after the other jobs stopped
@@ -181,7 +198,11 @@ class StepPipeline:
         finally:
             self.times.wait += perf_counter() - start
             del self._jobs[job.family_id]
+        for first in job.before:
+            first()
         job.finish()
+        for more in job.after:
+            more()
         self.times.jobs += 1
 
     # ---- workers -------------------------------------------------------------------------------------------

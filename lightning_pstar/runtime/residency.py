@@ -77,6 +77,7 @@ class Residency:
         # families whose host-side step is in flight: their param chunk stays, their staging copy is kept
         # ([Note: the step pipeline] in runtime/pipeline.py)
         self.stepping: set[int] = set()
+        self.finish_stepping: Callable[[], None] | None = None  # ends them (the manager's), when room is short
         self.repoint = False  # parameters follow their chunk's moves (off while materialising)
         self._tick = 0
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches and evictions copy on it
@@ -288,6 +289,7 @@ class Residency:
         missing = self.device_used() + nbytes - room
         if missing <= 0:
             return
+        asked = protect
         protect = protect | self.pinned | self.stepping
         candidates = [
             f.param_chunk
@@ -298,6 +300,10 @@ class Residency:
             and self.owns(f)  # remote chunks are released, never evicted
         ]
         victims = self.policy.victims(candidates, missing)
+        if sum(v.nbytes for v in victims) < missing and self.stepping and self.finish_stepping is not None:
+            self.finish_stepping()  # families whose step is in flight may be evicted once it is done
+            self.ensure_device_room(nbytes, protect=asked)
+            return
         if sum(v.nbytes for v in victims) < missing:
             in_use = [f.family_id for f in self.families if f.family_id in protect]
             raise MemoryBudgetError(

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
 from lightning_pstar.config import PStarConfig
+from lightning_pstar.optim.host_step import ParkedParameterError
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.hooks import ModelHooks
@@ -80,10 +81,11 @@ def _gpt() -> LM:
     return LM(lambda: TinyGPT())
 
 
-def _pair(make: Any, precision: str, **kwargs: Any) -> tuple[list[FitResult], list[MemoryReport]]:
+def _pair(make: Any, precision: str, mode: str = "auto", **kwargs: Any) -> tuple[list[FitResult], list[MemoryReport]]:
+    """The serial step's run and ``mode``'s, on the same seed and data: same losses, same final weights."""
     results, reports = [], []
     options = {**HOST, **kwargs.pop("options", {})}
-    for overlap in ("off", "auto"):
+    for overlap in ("off", mode):
         peek = Peek()
         strategy = PatrickStarStrategy(optimizer_overlap=overlap, **options)
         if precision == "16-mixed":  # on a CPU Lightning rewrites precision="16-mixed": pass the plugin
@@ -93,13 +95,14 @@ def _pair(make: Any, precision: str, **kwargs: Any) -> tuple[list[FitResult], li
         reports.append(peek.report)
     serial, pipelined = results
     assert pipelined.losses == serial.losses
-    assert_states_equal(pipelined.final, serial.final, what="optimizer_overlap='auto' against 'off'")
+    assert_states_equal(pipelined.final, serial.final, what=f"optimizer_overlap={mode!r} against 'off'")
     return results, reports
 
 
+@pytest.mark.parametrize("mode", ["auto", "next_forward"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
-def test_pipelined_step_is_the_serial_step(precision: str) -> None:
-    _, (serial, pipelined) = _pair(_gpt, precision)
+def test_pipelined_step_is_the_serial_step(precision: str, mode: str) -> None:
+    _, (serial, pipelined) = _pair(_gpt, precision, mode)
     assert serial.host_step_jobs == 0 and serial.optimizer_tier == "host"
     families = _per_step(pipelined)
     assert families >= pipelined.num_chunks - 1  # all but the frozen Linear's chunk
@@ -110,9 +113,10 @@ def test_pipelined_step_is_the_serial_step(precision: str) -> None:
     assert pipelined.step_d2h_bytes > 0 and pipelined.step_h2d_bytes > 0
 
 
+@pytest.mark.parametrize("mode", ["auto", "next_forward"])
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_clipping_steps_after_the_backward(algorithm: str) -> None:
-    _, (_, pipelined) = _pair(_gpt, "bf16-mixed", gradient_clip_val=0.05, gradient_clip_algorithm=algorithm)
+def test_clipping_steps_after_the_backward(algorithm: str, mode: str) -> None:
+    _, (_, pipelined) = _pair(_gpt, "bf16-mixed", mode, gradient_clip_val=0.05, gradient_clip_algorithm=algorithm)
     assert _per_step(pipelined) >= pipelined.num_chunks - 1
     assert pipelined.host_steps_in_backward == 0
 
@@ -148,15 +152,16 @@ def test_tight_device_budget() -> None:
     assert pipelined.host_steps_in_backward > 0
 
 
-def test_checkpoints_taken_at_every_step_match(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["auto", "next_forward"])
+def test_checkpoints_taken_at_every_step_match(tmp_path: Path, mode: str) -> None:
     paths = {}
-    for overlap in ("off", "auto"):
+    for overlap in ("off", mode):
         ckpt = ModelCheckpoint(dirpath=tmp_path / overlap, every_n_train_steps=1, save_top_k=-1)
         strategy = PatrickStarStrategy(optimizer_overlap=overlap, **HOST)
         fit_steps(_gpt(), strategy, precision="bf16-mixed", steps=3, callbacks=[ckpt], enable_checkpointing=True)
         paths[overlap] = sorted((tmp_path / overlap).glob("*.ckpt"))
-    assert [p.name for p in paths["off"]] == [p.name for p in paths["auto"]] and len(paths["off"]) == 3
-    for off, auto in zip(paths["off"], paths["auto"], strict=True):
+    assert [p.name for p in paths["off"]] == [p.name for p in paths[mode]] and len(paths["off"]) == 3
+    for off, auto in zip(paths["off"], paths[mode], strict=True):
         a, b = torch.load(off, weights_only=True), torch.load(auto, weights_only=True)
         assert_states_equal(b["state_dict"], a["state_dict"], what=f"{auto.name} weights")
         for index, state in a["optimizer_states"][0]["state"].items():
@@ -165,17 +170,43 @@ def test_checkpoints_taken_at_every_step_match(tmp_path: Path) -> None:
                 assert torch.equal(got[key], value), (auto.name, index, key)
 
 
+@pytest.mark.parametrize("mode", ["auto", "next_forward"])
 @pytest.mark.parametrize("clip", [False, True])
-def test_fabric(clip: bool) -> None:
+def test_fabric(clip: bool, mode: str) -> None:
     runs = []
-    for overlap in ("off", "auto"):
+    for overlap in ("off", mode):
         strategy = PatrickStarFabricStrategy(optimizer_overlap=overlap, **HOST)
-        spec = LoopSpec(strategy=strategy, precision="bf16-mixed", steps=4, two_groups=True, scheduler=True)
+        spec = LoopSpec(
+            strategy=strategy, precision="bf16-mixed", steps=4, two_groups=True, scheduler=True, eval_between=True
+        )
         if clip:
             spec.clip_norm = 0.5
         runs.append(train(spec))
     assert runs[1].losses == runs[0].losses
-    assert_states_equal(runs[1].state, runs[0].state, what="Fabric, optimizer_overlap='auto' against 'off'")
+    assert runs[1].eval_losses == runs[0].eval_losses
+    assert_states_equal(runs[1].state, runs[0].state, what=f"Fabric, optimizer_overlap={mode!r} against 'off'")
+
+
+class ReadsWeightAtBatchEnd(LM):
+    """Reads a weight directly (outside every module's forward) at the end of each batch."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: TinyGPT())
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.norms.append(float(next(self.net.parameters()).norm()))
+
+
+def test_next_forward_leaves_no_weight_to_read_half_updated() -> None:
+    """Under "next_forward" a weight read outside its module's forward before the module runs again fails loudly
+    (its parameter is parked while its family steps); under "auto" it reads the
+    stepped weight, as after the serial step."""
+    (serial, auto), _ = _pair(ReadsWeightAtBatchEnd, "bf16-mixed")
+    assert auto.module.norms == serial.module.norms and len(auto.module.norms) == STEPS
+    strategy = PatrickStarStrategy(optimizer_overlap="next_forward", **HOST)
+    with pytest.raises(ParkedParameterError, match="optimizer_overlap='next_forward'"):
+        fit_steps(ReadsWeightAtBatchEnd(), strategy, precision="bf16-mixed", steps=3)
 
 
 def test_a_gradient_after_the_family_started_its_step_raises() -> None:
