@@ -24,7 +24,8 @@ tail runs during the next forward): without clipping the step is at most 1.15x i
 forward + backward, ``adam``, ``transfers`` = d2h + h2d); with clipping by norm at most 1.15x (backward + the
 longer of forward and adam), the most an exact schedule can overlap when the norm is known only at the end of the
 backward. "auto" ends the step before ``optimizer.step()`` returns, so it cannot overlap the next forward: where
-host Adam is longer than the backward, or with clipping, only "next_forward" can reach those bounds. Printed as a table (with the load average) and written as JSON with ``--json``.
+host Adam is longer than the backward, or with clipping, only "next_forward" can reach those bounds. Printed as
+a table (with the load average) and written as JSON with ``--json``.
 """
 
 from __future__ import annotations
