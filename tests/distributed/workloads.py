@@ -73,6 +73,11 @@ class RunSpec:
     """Per-rank width (the model is then built in ``configure_model``, where the rank is known)."""
     checkpoint_blocks: bool = False
     """Activation checkpointing (non-reentrant) of every block: backward recomputes their forwards."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """More PatrickStarStrategy keywords (``optimizer_placement``, ``optimizer_overlap``, ...)."""
+    grad_hook: bool = True
+    """Record the gradient norm and learning rate in ``on_before_optimizer_step`` (an overridden hook that may
+    read gradients: it keeps PatrickStar from stepping inside the backward)."""
 
     @property
     def n_seq(self) -> int:
@@ -126,7 +131,7 @@ class RecordingModule(L.LightningModule):
         self.losses.append(float(loss.detach()))
         return loss
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def record_step(self, optimizer: torch.optim.Optimizer) -> None:
         # plain DDP: the global norm Lightning clips by (PatrickStar keeps gradients in its chunks)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
@@ -166,11 +171,18 @@ class RecordingModule(L.LightningModule):
         spec.record_path(self.global_rank).write_text(json.dumps(record))
 
 
+class HookedRecordingModule(RecordingModule):
+    """:class:`RecordingModule` that records gradient norms and learning rates before each step."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.record_step(optimizer)
+
+
 def build_strategy(spec: RunSpec) -> Any:
     if spec.strategy.startswith("patrickstar"):
         start_method: Literal["spawn", "popen"] = "spawn" if spec.strategy == "patrickstar_spawn" else "popen"
         options: dict[str, Any] = {} if spec.chunk_size is None else {"chunk_size": spec.chunk_size}
-        return PatrickStarStrategy(start_method=start_method, **options)
+        return PatrickStarStrategy(start_method=start_method, **options, **spec.options)
     return spec.strategy
 
 
@@ -190,7 +202,8 @@ def fit(spec: RunSpec) -> None:
     )
     # unshuffled: Lightning's DistributedSampler then gives rank r the indices r, r + W, r + 2W, ...
     loader = DataLoader(make_dataset(spec.n_seq), batch_size=spec.batch_size, shuffle=False)
-    trainer.fit(RecordingModule(spec), train_dataloaders=loader)
+    module = HookedRecordingModule(spec) if spec.grad_hook else RecordingModule(spec)
+    trainer.fit(module, train_dataloaders=loader)
 
 
 def read_records(spec: RunSpec) -> list[dict[str, Any]]:
