@@ -55,6 +55,7 @@ _METRIC_NAMES = frozenset(
         "moves_off_device",
         "prefetches",
         "peak_non_model_bytes",
+        "nonfinite_skipped_steps",
     )
 )
 
@@ -174,7 +175,9 @@ class PatrickStarMonitor(pl.Callback):
     - ``pstar/device_chunk_bytes``, ``pstar/host_chunk_bytes``: chunk bytes on each tier now;
     - ``pstar/h2d_bytes``, ``pstar/d2h_bytes``, ``pstar/evictions``, ``pstar/prefetches``: bytes copied and
       chunks evicted or prefetched *since the previous log* (since the start of training for the first);
-    - ``pstar/peak_non_model_bytes``: the warm-up's peak of non-model memory.
+    - ``pstar/peak_non_model_bytes``: the warm-up's peak of non-model memory;
+    - ``pstar/nonfinite_skipped_steps``: steps not applied for a non-finite loss or gradient since the start of
+      training (``mixed_precision.nonfinite="skip"``).
 
     Lightning forwards step metrics to the logger only every ``Trainer(log_every_n_steps=...)`` steps, so
     that number should divide this callback's; a warning says so otherwise.
@@ -290,6 +293,7 @@ class PatrickStarMonitor(pl.Callback):
             "host_chunk_bytes": report.host_chunk_bytes,
             **{k: v - self._last.get(k, 0) for k, v in counters.items()},
             "peak_non_model_bytes": report.peak_non_model_bytes,
+            "nonfinite_skipped_steps": report.nonfinite_skipped_steps,  # since the start of training
         }
         self._last = counters
         self._sent = True

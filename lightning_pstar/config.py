@@ -49,6 +49,7 @@ __all__ = [
     "MAX_CHUNK_ELEMENTS",
     "MemoryConfig",
     "MixedPrecisionConfig",
+    "NonFinite",
     "OptimizerOverlap",
     "OptimizerPlacement",
     "PStarConfig",
@@ -128,6 +129,23 @@ class OptimizerOverlap(_ValueEnum):
     auto = "auto"  # alias, see [Note: enums in OmegaConf]
     off = "off"  # alias
     next_forward = "next_forward"  # alias
+
+
+class NonFinite(_ValueEnum):
+    """What a step does when the loss or the gradients are not finite (inf or nan), in every precision. 16-mixed's
+    loss scaling keeps its own rule for overflowing gradients (skip the step, lower the scale)."""
+
+    RAISE = "raise"
+    """The step is not applied (weights and optimizer states stay as they were) and an error names the step and
+    the first parameters whose gradients were not finite: resume from the last checkpoint."""
+    SKIP = "skip"
+    """The step is not applied, and training goes on; skipped steps are counted in the memory report
+    (``nonfinite_skipped_steps``) and the ``pstar/nonfinite_skipped_steps`` metric."""
+    IGNORE = "ignore"
+    """Plain Lightning's behaviour: the step is applied (the weights become non-finite)."""
+    raise_ = "raise"  # alias, see [Note: enums in OmegaConf]
+    skip = "skip"  # alias
+    ignore = "ignore"  # alias
 
 
 class CheckpointFormat(_ValueEnum):
@@ -344,9 +362,15 @@ class MixedPrecisionConfig:
     does): saved frozen weights are then rounded to bf16/fp16."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for ``16-mixed``."""
+    nonfinite: NonFinite = NonFinite.RAISE
+    """A non-finite loss or gradient, in every precision: "raise" (the step is not applied and an error says where),
+    "skip" (not applied, counted) or "ignore" (applied, as plain Lightning); see :class:`NonFinite`. The check
+    reads the loss of each backward (one scalar) and, where the step computes the global norm anyway (clipping by
+    norm), that norm: no extra pass over the gradients."""
 
     def __post_init__(self) -> None:
         _flag(self.frozen_master, name="mixed_precision.frozen_master")
+        self.nonfinite = NonFinite.coerce(self.nonfinite, name="mixed_precision.nonfinite")
         self.loss_scale = _section(self.loss_scale, LossScaleConfig, name=_LS)
 
 
@@ -449,6 +473,7 @@ class PStarOptions(TypedDict, total=False):
     optimizer_placement: OptimizerPlacement | str
     optimizer_overlap: OptimizerOverlap | str
     frozen_master: bool
+    nonfinite: NonFinite | str
     loss_scale: LossScaleConfig | Mapping[str, Any] | None
     checkpoint: CheckpointFormat | str
 
@@ -468,6 +493,7 @@ FLAT_OPTIONS: Mapping[str, str] = {
     "optimizer_placement": "placement.optimizer",
     "optimizer_overlap": "placement.optimizer_overlap",
     "frozen_master": "mixed_precision.frozen_master",
+    "nonfinite": "mixed_precision.nonfinite",
     "loss_scale": "mixed_precision.loss_scale",
     "checkpoint": "checkpoint",
 }

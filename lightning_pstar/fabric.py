@@ -340,6 +340,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         manager = self._require_manager()
         self._refuse_stale_clipping("a new backward started")  # the norm clip_gradients returned would be stale
         manager.begin_backward()  # every rank is here: collectives may start
+        manager.note_loss(tensor)
         with out_of_memory_as_error(manager), manager.grads.landing_on_error():
             self.precision.pre_backward(tensor, module)
             self.precision.backward(tensor, module, *args, **kwargs)

@@ -83,6 +83,7 @@ class MemoryReport:
     step_d2h_bytes: int = 0  # copied to the host by those steps (also counted in d2h_bytes)
     step_h2d_bytes: int = 0  # copied back to the device by them (also counted in h2d_bytes)
     step_stage_seconds: dict[str, float] = field(default_factory=dict)  # worker seconds per stage, and the wait
+    nonfinite_skipped_steps: int = 0  # steps not applied for a non-finite loss or gradient (nonfinite="skip")
 
     @property
     def padded_bytes_per_param(self) -> float:
@@ -136,6 +137,7 @@ class MemoryReport:
             ("placement", self.placement),
             ("peak non-model (warm-up)", fmt(self.peak_non_model_bytes)),
             ("optimizer runs on", self.optimizer_tier),
+            ("steps skipped (non-finite)", str(self.nonfinite_skipped_steps)),
             (
                 "host steps (in backward)",
                 f"{self.host_step_jobs} ({self.host_steps_in_backward}), overlap {self.optimizer_overlap}",

@@ -344,7 +344,8 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self._manager is not None:
             self._manager.begin_backward()  # every rank is here: collectives may start (see groups.py)
-            if self._nothing_reads_gradients():
+            self._manager.note_loss(closure_loss)
+            if not self._manager.nonfinite_loss and self._nothing_reads_gradients():
                 chunked = chunked_of(self.optimizers[0])
                 if chunked is not None:
                     chunked.step_in_backward()

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -50,7 +51,7 @@ import torch
 from torch.optim import Optimizer
 
 import lightning_pstar.optim.kernels as kernels
-from lightning_pstar.config import OptimizerOverlap
+from lightning_pstar.config import NonFinite, OptimizerOverlap
 from lightning_pstar.optim.grads import family_grads, host_grads, whole_family_grad_range
 from lightning_pstar.optim.host_step import host_job, park, snapshot_groups, unpark
 from lightning_pstar.optim.kernels import WholeFamilyPlan
@@ -62,11 +63,15 @@ from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.pipeline import HostJob
 from lightning_pstar.runtime.state import Tier
 
-__all__ = ["ChunkedOptimizer", "GradientPolicy", "SUPPORTED_OPTIMIZERS", "StepResult"]
+__all__ = ["ChunkedOptimizer", "GradientPolicy", "NonFiniteStepError", "SUPPORTED_OPTIMIZERS", "StepResult"]
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_OPTIMIZERS: tuple[type[Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class NonFiniteStepError(FloatingPointError):
+    """A step was not applied because the loss or the gradients were not finite (``mixed_precision.nonfinite``)."""
 
 
 @dataclass(kw_only=True)
@@ -117,6 +122,7 @@ class ChunkedOptimizer(Optimizer):
         self._manager = manager
         self.gradient_policy = GradientPolicy()
         self.last_step = StepResult()
+        self._applied_steps = 0  # steps that changed the weights (the non-finite check names the next one)
         self._read_norm: _ReadNorm | None = None  # set by gradient_norm, used by the next step
         self._book = OptimizerBook(is_adam=isinstance(optimizer, torch.optim.Adam))  # AdamW subclasses Adam
         self._state_io = ChunkedStateDict(manager, self._book, self.param_groups)
@@ -166,6 +172,8 @@ class ChunkedOptimizer(Optimizer):
             read, self._read_norm = self._read_norm, None
             on_host = read.on_host if read is not None else self._host_grads()
             coef = self._clip_coefficient(families, on_host, read)
+            if coef is not None and self._nonfinite(families):
+                return loss
             early = set(manager.grads.stepped)
             leftover = set(manager.pipeline.family_ids) - early  # the last step's tail no module waited for
             if leftover:
@@ -186,9 +194,52 @@ class ChunkedOptimizer(Optimizer):
             else:
                 manager.finish_steps()  # the jobs in flight end before anything else runs
             manager.weights_version += 1  # weights autograd saved by reference are stale now
+            self._applied_steps += 1
             self._step_host_params(on_host, coef)
             self.zero_grad()
         return loss
+
+    def _nonfinite(self, families: list[ChunkFamily]) -> bool:
+        """``mixed_precision.nonfinite``: whether this step must not be applied, because a backward since the last
+        step ran from a non-finite loss or the global norm the step computed anyway (clipping by norm) is not
+        finite. Then the gradients are forgotten and, under "skip", the step is counted; under "raise" an error
+        names the step and the first parameters whose gradients are not finite. 16-mixed keeps loss scaling's own
+        rule (its overflow check skips the step and lowers the scale), as does "ignore" (plain Lightning's)."""
+        manager = self._manager
+        policy = manager.config.mixed_precision.nonfinite
+        if policy is NonFinite.IGNORE or self.gradient_policy.check_finite:
+            return False
+        total = self.last_step.total_norm
+        if not manager.nonfinite_loss and (total is None or math.isfinite(total)):
+            return False
+        assert not manager.grads.stepped, "PatrickStar internal error: a step inside the backward was not finite"
+        names = self._nonfinite_names(families) if policy is NonFinite.RAISE else []
+        what = "the loss" if manager.nonfinite_loss else f"the global gradient norm ({total})"
+        self.last_step = StepResult(skipped=True, total_norm=total)
+        self.zero_grad()
+        if policy is NonFinite.SKIP:
+            manager.nonfinite_skipped_steps += 1
+            log.warning("PatrickStar: %s was not finite; optimizer step %d was skipped.", what, self._applied_steps)
+            return True
+        shown = ", ".join(f"'{n}'" for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise NonFiniteStepError(
+            f"PatrickStar: {what} was not finite at optimizer step {self._applied_steps} (counting from 0), so the"
+            " step was not applied: weights and optimizer states are those of the step before."
+            + (f" Non-finite gradients: {shown}." if names else " Every gradient was finite.")
+            + " HINT: resume from the last checkpoint (lower the learning rate, check the data for inf/nan), or set"
+            " mixed_precision.nonfinite='skip' to skip such steps and go on, or 'ignore' to apply them as plain"
+            " Lightning does."
+        )
+
+    def _nonfinite_names(self, families: list[ChunkFamily]) -> list[str]:
+        """Names of the parameters whose gradient holds an inf or nan (family by family: read only on failure)."""
+        manager = self._manager
+        names = []
+        for family in families:
+            grads = family_grads(family, self._book.group_of, mixed=manager.mixed, inv_scale=1.0)
+            by_index = {r.index: r for r in family.records}
+            names += [by_index[i].slot.name for i, g in grads.items() if not bool(torch.isfinite(g).all())]
+        return names
 
     def _step_families(self, families: list[ChunkFamily], coef: float) -> None:
         """Step ``families``: host-side ones through the pipeline where ``optimizer_overlap`` allows (the step
@@ -477,7 +528,8 @@ class ChunkedOptimizer(Optimizer):
         """Forget the gradients of this optimizer's parameters (weights overwritten by gradients are restored
         from the masters); another optimizer's gradients stay for its own step."""
         self._read_norm = None
-        self._manager.discard_grads(self._records)  # finishes the steps in flight first
+        self._manager.nonfinite_loss = False  # the gradients of that loss are gone
+        self._manager.discard_grads(self._records)
         for p in self._host_params():
             p.grad = None
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_pstar.config import OptimizerPlacement, PStarConfig
+from lightning_pstar.config import NonFinite, OptimizerPlacement, PStarConfig
 from lightning_pstar.planning.requirements import (
     BytesPerElement,
     MemoryBudgetError,
@@ -120,6 +120,9 @@ class ChunkManager:
         # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
         self.pipeline = StepPipeline()
         self.tailing = False  # an optimizer.step() returned with steps in flight (optimizer_overlap="next_forward")
+        # mixed_precision.nonfinite: a backward since the last step ran from a non-finite loss; steps not applied
+        self.nonfinite_loss = False
+        self.nonfinite_skipped_steps = 0
         self.residency.finish_stepping = self._finish_steps_for_room  # when room is short, steps in flight end
         module_groups = [
             {group_of(r.family.family_id, self.world_size) for r in records}
@@ -345,6 +348,12 @@ class ChunkManager:
         release_slots(records, _HOLD_AFTER_FWD if backward_follows else _HOLD)  # what release() does
         if self.sharding.distributed:  # one rank releases nothing
             self.sharding.release_passed()
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """A backward runs from ``loss``: remember whether it was finite, for the coming step's non-finite check
+        (``mixed_precision.nonfinite``; one scalar read, before any gradient exists)."""
+        if self.config.mixed_precision.nonfinite is not NonFinite.IGNORE and not bool(torch.isfinite(loss).all()):
+            self.nonfinite_loss = True
 
     def begin_backward(self) -> None:
         """Every rank starts the backward of a training pass (the strategy's ``pre_backward``)."""
@@ -572,4 +581,5 @@ class ChunkManager:
             names=self._module_names,
             pipeline=self.pipeline,
             overlap=self.config.placement.optimizer_overlap.value,
+            nonfinite_skipped_steps=self.nonfinite_skipped_steps,
         )

@@ -47,6 +47,7 @@ def build_report(
     names: Sequence[str],
     pipeline: StepPipeline | None = None,
     overlap: str = "auto",
+    nonfinite_skipped_steps: int = 0,
 ) -> MemoryReport:
     trace = tracer.trace
     stats = residency.stats
@@ -99,6 +100,7 @@ def build_report(
         dirty_moves=stats.dirty_moves,
         host_copy_bytes=stats.host_copy_bytes,
         optimizer_overlap=overlap,
+        nonfinite_skipped_steps=nonfinite_skipped_steps,
         host_step_jobs=pipeline.times.jobs if pipeline is not None else 0,
         host_steps_in_backward=pipeline.times.in_backward if pipeline is not None else 0,
         step_d2h_bytes=stats.step_d2h_bytes,

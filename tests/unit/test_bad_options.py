@@ -35,6 +35,7 @@ BAD: dict[str, list[Any]] = {
     "optimizer_placement": ["gpu", "HOST ", 1, None, True],
     "optimizer_overlap": ["fast", "on", 0, None, True],
     "frozen_master": ["yes", 1, None],
+    "nonfinite": ["crash", "RAISE", 1, None, True],
     "loss_scale": ["big", 5, [1]],
     "checkpoint": ["zip", None, 1, True],
     "host_malloc": ["fast", "CACHED", "", None, 1, True],
