@@ -16,13 +16,8 @@ from torch import nn
 
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.planning.layout import Layout
-from lightning_pstar.planning.requirements import (
-    BytesPerElement,
-    check_budgets,
-    chunk_layout,
-    host_embedding_bytes,
-    tier_need,
-)
+from lightning_pstar.planning.requirements import BytesPerElement, chunk_layout, host_embedding_bytes
+from lightning_pstar.planning.tiers import TierNeed, check_budgets, tier_need
 
 __all__ = ["check_setup_budgets", "device_budget_of", "host_budget_of", "host_ram_bytes", "plan_layout"]
 
@@ -80,9 +75,13 @@ def check_setup_budgets(
     host_budget: int,
     optimizer_on_host: bool,
     static_fraction: float | None,
-) -> None:
+    chunk_room: int | None,
+    pinned: bool,
+) -> TierNeed:
     """Raise a ``MemoryBudgetError`` with the numbers per tier unless the model fits both budgets
-    (``module_need``: the bytes one module needs resident, and its name)."""
+    (``module_need``: the bytes one module needs resident, and its name; ``chunk_room``: the device room the
+    placement gives chunks before the warm-up; ``pinned``: host chunks are pinned). Returns the need, whose
+    ``scratch`` the runtime holds back from the host budget ([Note: the host need] in ``planning/tiers.py``)."""
     tiers = tier_need(
         layout,
         bpe,
@@ -90,6 +89,8 @@ def check_setup_budgets(
         device_budget=device_budget,
         host_embedding_bytes=host_embedding_bytes(host_params, optimizer=bpe.optimizer),
         optimizer_on_host=optimizer_on_host,
+        chunk_room=chunk_room,
+        pinned=pinned,
     )
     need, where = module_need
     check_budgets(
@@ -100,3 +101,4 @@ def check_setup_budgets(
         host_budget=host_budget,
         static_fraction=static_fraction,
     )
+    return tiers

@@ -113,6 +113,7 @@ class ChunkManager:
             min_device_bytes=self._min_device_bytes,
             owns=lambda family: self.sharding.owns(family),
         )
+        self.residency.host_scratch_bytes = self.setup_need.scratch  # [Note: the host need] in planning/tiers.py
         self.residency.optimizer_tier = policy.optimizer_tier(
             model_data_bytes=self._model_data_bytes(), device_budget=device_budget
         )
@@ -161,7 +162,7 @@ class ChunkManager:
                 warmup_chunk_fraction=config.placement.warmup_chunk_fraction,
             )
         start = policy.optimizer_tier(model_data_bytes=self._model_data_bytes(), device_budget=device_budget)
-        check_setup_budgets(
+        self.setup_need = check_setup_budgets(
             self.layout,
             self.bytes_per_element(),
             module_need=self.min_device_bytes(),
@@ -171,6 +172,8 @@ class ChunkManager:
             host_budget=host_budget,
             optimizer_on_host=start is Tier.HOST,
             static_fraction=config.placement.static_chunk_fraction if policy.name == "static" else None,
+            chunk_room=policy.chunk_room(device_budget, self._min_device_bytes),
+            pinned=device.type == "cuda",
         )
         return device_budget, host_budget, policy
 
