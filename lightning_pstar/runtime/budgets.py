@@ -9,6 +9,7 @@ the layout on this device, and the check that the model fits both, with the capa
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,7 +20,19 @@ from lightning_pstar.planning.layout import Layout
 from lightning_pstar.planning.requirements import BytesPerElement, chunk_layout, host_embedding_bytes
 from lightning_pstar.planning.tiers import TierNeed, check_budgets, tier_need
 
-__all__ = ["check_setup_budgets", "device_budget_of", "host_budget_of", "host_ram_bytes", "plan_layout"]
+__all__ = [
+    "UnboundHostLimitWarning",
+    "check_setup_budgets",
+    "device_budget_of",
+    "host_budget_of",
+    "host_ram_bytes",
+    "plan_layout",
+    "warn_unbound_host_limit",
+]
+
+
+class UnboundHostLimitWarning(UserWarning):
+    """``host_memory_limit`` was set where it bounds little or nothing (a CPU run without a device budget)."""
 
 
 def host_ram_bytes() -> int:
@@ -102,3 +115,26 @@ def check_setup_budgets(
         static_fraction=static_fraction,
     )
     return tiers
+
+
+def warn_unbound_host_limit(config: PStarConfig, device: torch.device) -> bool:
+    """Warn when ``host_memory_limit`` is set on a CPU run without ``device_memory_limit``; whether it warned.
+
+    The simulated device then has no budget and keeps every chunk, so nothing is ever offloaded and the host
+    budget bounds only what lives on the host whatever the device (fp32 copies of frozen weights, host-resident
+    embeddings). The limit is kept, not widened: it still refuses those at setup (after this warning).
+    """
+    limit = config.memory.host_limit_bytes
+    if limit is None or device.type != "cpu" or config.memory.device_limit_bytes is not None:
+        return False
+    warnings.warn(
+        UnboundHostLimitWarning(
+            f"host_memory_limit={config.memory.host_limit!r} barely binds on this CPU run: without"
+            " device_memory_limit the simulated device has no budget and keeps every chunk, so nothing is offloaded"
+            " to the host and the limit bounds only what lives there whatever the device (fp32 copies of frozen"
+            " weights, cpu_embedding). HINT: set device_memory_limit to simulate a device"
+            " of that size (the host budget then bounds what is offloaded), or drop host_memory_limit."
+        ),
+        stacklevel=2,
+    )
+    return True

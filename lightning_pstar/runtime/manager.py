@@ -30,7 +30,13 @@ from lightning_pstar.planning.requirements import (
     tier_need,
 )
 from lightning_pstar.report import MemoryReport
-from lightning_pstar.runtime.budgets import check_setup_budgets, device_budget_of, host_budget_of, plan_layout
+from lightning_pstar.runtime.budgets import (
+    check_setup_budgets,
+    device_budget_of,
+    host_budget_of,
+    plan_layout,
+    warn_unbound_host_limit,
+)
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
 from lightning_pstar.runtime.family import (
@@ -162,6 +168,7 @@ class ChunkManager:
                 warmup_chunk_fraction=config.placement.warmup_chunk_fraction,
             )
         start = policy.optimizer_tier(model_data_bytes=self._model_data_bytes(), device_budget=device_budget)
+        warn_unbound_host_limit(config, device)
         self.setup_need = check_setup_budgets(
             self.layout,
             self.bytes_per_element(),
