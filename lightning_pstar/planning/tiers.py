@@ -12,7 +12,8 @@ The host budget must hold, at the run's fullest moment (the end of an optimizer 
 - the other param chunks the device cannot keep: the device guarantees chunks only the least room the placement
   gives them before the warm-up has measured anything (``static_chunk_fraction`` of the budget; under ``auto``
   ``warmup_chunk_fraction`` of it, but at least one module's chunks). An eviction frees whole chunks, so past it
-  the chunks on the device fill that room to within one chunk, remote chunks gathered from other ranks included;
+  the chunks on the device fill that room to within two chunks (the one being fetched, still on the host while
+  the eviction runs, and the last victim's overshoot), remote chunks gathered from other ranks included;
 - fp32 copies of frozen weights (mixed precision, ``frozen_master``) and host-resident embeddings
   (``cpu_embedding``);
 - the step's temporaries on the host: the fp32 copy of one family's gradients in mixed precision
@@ -201,8 +202,9 @@ def _rank_need(
     side_on_device = 0 if on_host else r.side
     evicted = 0
     if room is not None and all_params + side_on_device > room:
-        # past an eviction the device holds chunks up to the room, less one chunk; the rest of it may be others'
-        kept = room - largest - side_on_device - (all_params - evictable)
+        # an eviction makes room for the chunk being fetched, which is still on the host meanwhile: the device then
+        # holds at least the room less that chunk and the last victim's overshoot; the rest of it may be others'
+        kept = room - 2 * largest - side_on_device - (all_params - evictable)
         evicted = evictable - min(max(kept, 0), evictable)
     fixed = r.frozen_master + (r.side if on_host else 0)
     rounding = 0

@@ -18,10 +18,12 @@ from torch import nn
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.planning.layout import Layout
 from lightning_pstar.planning.requirements import BytesPerElement, chunk_layout, host_embedding_bytes
-from lightning_pstar.planning.tiers import TierNeed, check_budgets, tier_need
+from lightning_pstar.planning.tiers import MemoryBudgetError, TierNeed, check_budgets, host_breakdown, tier_need
+from lightning_pstar.report import format_bytes
 
 __all__ = [
     "UnboundHostLimitWarning",
+    "check_host_after_warmup",
     "check_setup_budgets",
     "device_budget_of",
     "host_budget_of",
@@ -138,3 +140,41 @@ def warn_unbound_host_limit(config: PStarConfig, device: torch.device) -> bool:
         stacklevel=2,
     )
     return True
+
+
+def check_host_after_warmup(
+    layout: Layout,
+    bpe: BytesPerElement,
+    setup: TierNeed,
+    *,
+    world_size: int,
+    device_budget: int,
+    host_budget: int,
+    room: int,
+    pinned: bool,
+) -> None:
+    """At the warm-up's optimizer step, before it runs: the host need again, with the least device room chunks
+    get once the warm-up has measured the activations (``room``: the budget less their peak) instead of the room
+    setup knew of. Activations above the setup's share push more param chunks to the host; a host budget that
+    then cannot hold them is refused now, while the weights are still the initial ones ([Note: the host need] in
+    ``planning/tiers.py``)."""
+    tiers = tier_need(
+        layout,
+        bpe,
+        world_size=world_size,
+        device_budget=device_budget,
+        host_embedding_bytes=setup.embeddings,
+        optimizer_on_host=setup.optimizer_on_host,
+        chunk_room=max(room, 0),
+        pinned=pinned,
+    )
+    if tiers.host <= host_budget:
+        return
+    raise MemoryBudgetError(
+        f"host_memory_limit is too small for this model's iteration: the warm-up measured activations that leave"
+        f" chunks {format_bytes(max(room, 0), exact=True)} of the {format_bytes(device_budget, exact=True)} device"
+        f" budget at their peak, so the host must hold {format_bytes(tiers.host, exact=True)}"
+        f" ({host_breakdown(tiers)}; setup counted {format_bytes(setup.host, exact=True)} before the activations"
+        f" were known), but host_memory_limit is {format_bytes(host_budget, exact=True)}. The optimizer step did"
+        " not run. HINT: raise host_memory_limit or device_memory_limit, or lower the batch size."
+    )

@@ -31,6 +31,7 @@ from lightning_pstar.planning.requirements import (
 )
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.budgets import (
+    check_host_after_warmup,
     check_setup_budgets,
     device_budget_of,
     host_budget_of,
@@ -454,6 +455,14 @@ class ChunkManager:
         self.grads.discard(self.records if records is None else records)
 
     # ---- the optimizer step and the end of the warm-up -------------------------------------------------
+    def _check_host_after_warmup(self, room: int) -> None:
+        assert self.residency.device_budget is not None
+        check_host_after_warmup(
+            self.layout, self.bytes_per_element(), self.setup_need, world_size=self.world_size,
+            device_budget=self.residency.device_budget, host_budget=self.residency.host_budget, room=room,
+            pinned=self.device.type == "cuda",
+        )  # fmt: skip
+
     def step_moment(self) -> None:
         """The optimizer step is a moment of its own (it accesses every trainable family). At the warm-up's, the
         moments recorded so far must fit the device budget: refused before the step changes anything."""
@@ -462,7 +471,7 @@ class ChunkManager:
         fids = tuple(f.family_id for f in self.families if f.trainable)
         if training and recording:
             self.tracer.moment(MomentKind.STEP, 0, fids)  # closes (measures) the last backward moment
-            check_before_warmup_step(self.tracer, self.residency, self.comm)
+            check_before_warmup_step(self.tracer, self.residency, self.comm, host_check=self._check_host_after_warmup)
         self.residency.open_step(record=recording)
         if training:
             self.residency.note_step()

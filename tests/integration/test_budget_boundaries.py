@@ -154,3 +154,54 @@ def test_the_device_budget_of_one_module_trains_under_static_and_one_byte_less_i
     with pytest.raises(MemoryBudgetError, match=f"needs parameter chunks of {need:,} bytes"):
         _run("32-true", False, device_memory_limit=need - 1, **options)
     _run("32-true", False, device_memory_limit=need, **options)
+
+
+def _mostly_frozen() -> nn.Module:
+    """The same net with only its output layer trainable: most param chunks are frozen ones, which stay on the
+    device as far as the room chunks get allows."""
+    net = _net()
+    for layer in list(net)[:-1]:
+        layer.requires_grad_(False)
+    return net
+
+
+def _run_frozen(device: int, host: int, batch_size: int = 64) -> LM:
+    module = LM(_mostly_frozen)
+    strategy = PatrickStarStrategy(device_memory_limit=device, host_memory_limit=host, chunk_size=8192)
+    fit(module, strategy=strategy, loader=make_loader(n_seq=2 * batch_size, batch_size=batch_size), max_steps=2)
+    return module
+
+
+def _named_need(err: BaseException, pattern: str) -> int:
+    found = re.search(pattern, str(err))
+    assert found is not None, str(err)
+    return int(found.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("device", [620_000, 700_000, 1_000_000])
+def test_activations_that_squeeze_the_chunks_are_refused_before_the_first_step(device: int) -> None:
+    """Under 'auto' the activations (batch 64: ~0.5 MB here) leave chunks less of the device after the warm-up
+    than the warm-up's share setup counted on: at a host budget of the setup's figure the run either trains or is
+    refused at the warm-up's optimizer step, before it changes anything, naming the figure that trains; it never
+    fails mid-training (the runtime's own "host budget exceeded")."""
+    with pytest.raises(MemoryBudgetError) as info:
+        _run_frozen(device, 1)
+    need = _named_need(info.value, r"leaves ([\d,]+) bytes")
+    try:
+        _run_frozen(device, need)
+        return
+    except MemoryBudgetError as err:
+        message = str(err)
+    assert "too small for this model's iteration" in message and "optimizer step did not run" in message, message
+    module = LM(_mostly_frozen)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.raises(MemoryBudgetError, match="optimizer step did not run"):
+        fit(
+            module,
+            strategy=PatrickStarStrategy(device_memory_limit=device, host_memory_limit=need, chunk_size=8192),
+            loader=make_loader(n_seq=128, batch_size=64),
+            max_steps=2,
+        )
+    for name, param in module.named_parameters():
+        assert torch.equal(param.detach().cpu(), before[name]), name
+    _run_frozen(device, _named_need(message, r"the host must hold ([\d,]+) bytes"))
