@@ -120,7 +120,7 @@ class CapacityPlan:
     host_budget: int  # per rank
     min_device_bytes: int  # param chunks resident at once for the most demanding module (per rank)
     min_device_module: str
-    device_model_data_bytes: int  # model data per rank that can stay on the device (budget permitting)
+    device_model_data_bytes: int  # model data per rank the device keeps when the host is fullest
     host_model_data_bytes: int  # what host RAM must hold per rank (host embeddings, step temporaries included)
     fits_model_data: bool
     fits_min_device: bool
@@ -177,8 +177,9 @@ class CapacityPlan:
             ),
             (
                 "DEVICE (per rank)",
-                f"must hold {_fmt(self.min_device_bytes)} (module '{self.min_device_module}'), can hold"
-                f" {_fmt(self.device_model_data_bytes)} of model data; budget {_fmt(self.device_budget)}",
+                f"must hold {_fmt(self.min_device_bytes)} (module '{self.min_device_module}'), keeps"
+                f" {_fmt(self.device_model_data_bytes)} of model data when the host is fullest (the first optimizer"
+                f" step under placement 'auto'); budget {_fmt(self.device_budget)}",
             ),
             (
                 "HOST (per rank)",
