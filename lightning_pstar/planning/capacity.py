@@ -333,7 +333,7 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
     # policies' choices, from the same functions ([Note: the host need] in planning/tiers.py)
     on_host = optimizer_starts_on_host(
         settings.placement,
-        model_data_bytes=tier_need(layout, bpe, world_size=ws, device_budget=None).per_rank,
+        model_data_bytes=tier_need(layout, bpe, world_size=ws).per_rank,
         device_budget=device,
         static_fraction=settings.static_fraction,
     )
@@ -345,7 +345,7 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         warmup_fraction=settings.warmup_fraction,
     )
     tiers = tier_need(
-        layout, bpe, world_size=ws, device_budget=device, host_embedding_bytes=embeddings, optimizer_on_host=on_host,
+        layout, bpe, world_size=ws, host_embedding_bytes=embeddings, optimizer_on_host=on_host,
         chunk_room=room, pinned=settings.allocator_friendly,
     )  # fmt: skip
     every = [(p, names[0]) for p, names in named] + [(p, name) for name, p in host.items()]

@@ -29,7 +29,7 @@ and backward, before its optimizer step runs (``runtime/warmup.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lightning_pstar.planning.layout import Layout, owner_of
@@ -128,7 +128,8 @@ class _Rank:
     side: int = 0
     frozen_master: int = 0
     largest_trainable: int = 0  # elements of its largest trainable family (the step's temporary)
-    waste: dict[str, int] | None = None  # pinned rounding per group of chunks
+    # pinned rounding of its trainable param chunks, optimizer side, frozen param chunks and frozen fp32 copies
+    waste: dict[str, int] = field(default_factory=lambda: {"tp": 0, "side": 0, "fp": 0, "fm": 0})
 
 
 def tier_need(
@@ -136,26 +137,22 @@ def tier_need(
     bpe: BytesPerElement,
     *,
     world_size: int,
-    device_budget: int | None,
     host_embedding_bytes: int = 0,
     optimizer_on_host: bool = False,
-    chunk_room: int | None | str = "budget",
+    chunk_room: int | None = None,
     pinned: bool = False,
 ) -> TierNeed:
     """Where the model data of the fullest rank is at the host's fullest moment ([Note: the host need]).
 
-    ``chunk_room``: the least device room the placement gives chunks (:func:`setup_chunk_room`; None:
-    unlimited; the default "budget": the whole ``device_budget``). ``pinned``: host chunks are pinned (CUDA),
-    each rounded to its allocator block.
+    ``chunk_room``: the least device room the placement gives chunks (:func:`setup_chunk_room`; None: nothing
+    is ever evicted). ``pinned``: host chunks are pinned (CUDA), each rounded to its allocator block.
     """
-    room = device_budget if chunk_room == "budget" else chunk_room
-    assert room is None or isinstance(room, int)
-    ranks = [_Rank(waste={"tp": 0, "fp": 0, "side": 0, "fm": 0}) for _ in range(world_size)]
+    room = chunk_room
+    ranks = [_Rank() for _ in range(world_size)]
     all_params = largest = 0
     side_bpe = bpe.master + bpe.grad + bpe.optimizer
     for chunk in layout.chunks:
         r = ranks[owner_of(chunk.chunk_id, world_size)]
-        assert r.waste is not None
         param = chunk.capacity * bpe.param
         all_params += param
         largest = max(largest, param)
@@ -195,7 +192,6 @@ def _rank_need(
     r: _Rank, bpe: BytesPerElement, *, room: int | None, all_params: int, largest: int, on_host: bool, pinned: bool
 ) -> TierNeed:
     """One rank's :class:`TierNeed` (without host embeddings)."""
-    assert r.waste is not None
     owned = r.trainable_param + r.frozen_param + r.side + r.frozen_master
     stepped = r.trainable_param if on_host else 0  # a host step leaves every trainable param chunk on the host
     evictable = r.frozen_param + (0 if on_host else r.trainable_param)

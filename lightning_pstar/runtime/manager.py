@@ -196,7 +196,7 @@ class ChunkManager:
     def _model_data_bytes(self) -> int:
         """Bytes of the families this rank owns once the optimizer's states exist."""
         bpe = self.bytes_per_element()
-        return tier_need(self.layout, bpe, world_size=self.world_size, device_budget=None).per_rank
+        return tier_need(self.layout, bpe, world_size=self.world_size).per_rank
 
     def min_device_bytes(self) -> tuple[int, str]:
         """Bytes of param chunks that must be resident at once for one module's forward, and its name."""
