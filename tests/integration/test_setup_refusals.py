@@ -197,3 +197,19 @@ def test_evaluation_with_every_parameter_frozen_matches_plain_lightning(precisio
     assert results["pstar"][0] == pytest.approx(results["plain"][0], rel=1e-6)
     assert results["pstar"][1] == pytest.approx(results["plain"][1], rel=1e-6)
     torch.testing.assert_close(results["pstar"][2], results["plain"][2], rtol=1e-6, atol=1e-6)
+
+
+def test_fabric_setup_with_an_optimizer_over_frozen_parameters_is_refused() -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="patrickstar")
+    fabric.launch()
+    model = _net().requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"`fabric\.setup` on a model with nothing to train.*HINT"):
+        fabric.setup(model, optimizer)
+    other = Fabric(accelerator="cpu", devices=1, strategy="patrickstar")
+    other.launch()
+    evaluated = other.setup(_net().requires_grad_(False))
+    with torch.no_grad():
+        assert evaluated(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 4, VOCAB)
