@@ -31,6 +31,7 @@ from lightning_pstar.checkpoint import (
     read_sharded_tensors,
     remove_checkpoint_path,
     remove_leftovers,
+    restore_set_aside,
     save_checkpoint_file,
     sharded_info,
     sharded_meta,
@@ -74,6 +75,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         target = Path(path)
+        restore_set_aside(target)  # a sharded save killed mid-publish: [Note: publishing] in checkpoint/io.py
         if is_sharded_checkpoint(target):
             return read_sharded_meta(target)
         return load_checkpoint_file(target, map_location=map_location, weights_only=weights_only)

@@ -251,7 +251,9 @@ class MemoryConfig:
     memory on a GPU."""
     host_limit: int | str | None = None
     """Bytes of chunk data allowed in host RAM. None: ``host_fraction`` of the machine's RAM divided by the
-    number of local ranks."""
+    number of local ranks. Checked at setup against everything the run can hold there at once ([Note: the host
+    need] in ``planning/tiers.py``). On a CPU run without ``device_limit`` the simulated device keeps every chunk,
+    so the limit bounds only fp32 copies of frozen weights and host embeddings: setting it there warns."""
     device_fraction: float = 0.8
     """Share of the accelerator's total memory used as the default device budget, in (0, 1]."""
     host_fraction: float = 0.8

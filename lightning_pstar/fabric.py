@@ -54,7 +54,7 @@ from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import MicroBatch
 from lightning_pstar.runtime.tracer import out_of_memory_as_error
-from lightning_pstar.setup_checks import refuse_shared_parameters
+from lightning_pstar.setup_checks import refuse_no_trainable_parameters, refuse_shared_parameters
 
 __all__ = ["PatrickStarFabricPrecision", "PatrickStarFabricStrategy"]
 
@@ -261,6 +261,8 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
                 " then build the optimizer: `model = fabric.setup_module(model)`, `optimizer ="
                 " fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
             )
+        if optimizers:
+            refuse_no_trainable_parameters(module, entry="fabric.setup")
         wrapped = self.setup_module(module)
         return wrapped, [self.setup_optimizer(opt) for opt in optimizers], scheduler
 
@@ -287,6 +289,8 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         manager = self._require_manager()
+        if self._module is not None:
+            refuse_no_trainable_parameters(self._module, entry="fabric.setup_optimizers")
         users = [opt.user_optimizer for opt in self._optimizers]
         refuse_shared_parameters([*users, optimizer], self._module)  # also against those set up before
         chunked = ChunkedOptimizer(optimizer, manager)

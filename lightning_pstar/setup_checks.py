@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 __all__ = [
     "explain_optimizer_setup_error",
     "parameter_free_metrics",
+    "refuse_no_trainable_parameters",
     "refuse_shared_parameters",
     "refuse_unsupported_dtypes",
 ]
@@ -35,6 +36,22 @@ def refuse_shared_parameters(optimizers: Sequence[Optimizer], module: nn.Module 
                         f" {index} returned by `configure_optimizers`. HINT: give each parameter to exactly one"
                         " optimizer."
                     )
+
+
+def refuse_no_trainable_parameters(module: nn.Module, *, entry: str) -> None:
+    """Training a model none of whose parameters requires grad fails at the first backward with autograd's
+    "element 0 of tensors does not require grad" (plain Lightning too): refused before anything changes.
+    ``entry`` names what was called (``trainer.fit``, ``fabric.setup`` with optimizers)."""
+    if any(p.requires_grad for p in module.parameters()):
+        return
+    count = sum(1 for _ in module.parameters())
+    what = f"all {count} of its parameters are frozen (requires_grad=False)" if count else "it has no parameters"
+    raise ValueError(
+        f"`{entry}` on a model with nothing to train: {what}, so the first backward would fail and no optimizer"
+        " step could change anything. HINT: freeze less (`requires_grad_(True)` on the layers to train), or, to"
+        " only evaluate the model, call `trainer.validate`, `trainer.test` or `trainer.predict` (Fabric: set up"
+        " the model without optimizers)."
+    )
 
 
 def parameter_free_metrics(module: nn.Module) -> list[nn.Module]:

@@ -57,7 +57,7 @@ from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.state import MicroBatch
 from lightning_pstar.runtime.tracer import out_of_memory_as_error
-from lightning_pstar.setup_checks import explain_optimizer_setup_error
+from lightning_pstar.setup_checks import explain_optimizer_setup_error, refuse_no_trainable_parameters
 
 __all__ = ["PatrickStarStrategy", "SafeCheckpointIO"]
 
@@ -200,6 +200,8 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         if self.is_global_zero and not self._warned_slow_bf16:
             self._warned_slow_bf16 = warn_if_slow_bf16(str(precision.precision), precision.device_type)
         module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_no_trainable_parameters(module, entry="trainer.fit")
         self._manager, self._hooks = build_engine(
             module,
             config=self.config,

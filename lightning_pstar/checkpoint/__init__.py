@@ -16,6 +16,7 @@ from lightning_pstar.checkpoint.io import (
     load_checkpoint_file,
     remove_checkpoint_path,
     remove_leftovers,
+    restore_set_aside,
     save_checkpoint_file,
 )
 from lightning_pstar.checkpoint.model_state import (
@@ -61,6 +62,7 @@ __all__ = [
     "read_sharded_tensors",
     "remove_checkpoint_path",
     "remove_leftovers",
+    "restore_set_aside",
     "restore_family",
     "restore_module",
     "save_checkpoint_file",

@@ -12,12 +12,22 @@
 
 from __future__ import annotations
 
+import pickle
+import re
 import zipfile
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-__all__ = ["CHUNK_BYTES", "ChecksumMismatch", "crc32_of", "file_checksums", "verify_checksums", "verify_torch_file"]
+__all__ = [
+    "CHUNK_BYTES",
+    "ChecksumMismatch",
+    "crc32_of",
+    "describe_damage",
+    "file_checksums",
+    "verify_checksums",
+    "verify_torch_file",
+]
 
 CHUNK_BYTES = 1 << 20  # read files in 1 MiB pieces: the checksum holds 1 MiB of a file at a time (8 MiB: +8 MiB peak)
 
@@ -73,11 +83,43 @@ def verify_torch_file(path: Path) -> None:
                         pass
     except zipfile.BadZipFile as err:
         if "Bad CRC-32" in str(err):
-            raise ChecksumMismatch(f"'{path}' fails its checksum ({err}): its bytes changed") from err
+            raise ChecksumMismatch(f"'{path}' fails its checksum ({describe_damage(err)}): its bytes changed") from err
         if _looks_like_zip(path):  # else not a zip archive: torch.load judges it
-            raise ChecksumMismatch(f"'{path}' is damaged: {err}") from err
+            raise ChecksumMismatch(f"'{path}' is damaged: {describe_damage(err)}") from err
     except (EOFError, zipfile.LargeZipFile, OSError, ValueError) as err:
-        raise ChecksumMismatch(f"'{path}' is damaged: {type(err).__name__}: {err}") from err
+        raise ChecksumMismatch(f"'{path}' is damaged: {describe_damage(err)}") from err
+
+
+_BYTES_LITERAL = re.compile(r"""b(['"]).*?(?<!\\)\1""")
+_ESCAPES = re.compile(r"\\x[0-9a-fA-F]{2}|[^\x20-\x7e]")
+_MAX_DETAIL = 160
+
+
+def describe_damage(err: BaseException) -> str:
+    """What is wrong with a damaged checkpoint file, in words: the exceptions of ``zipfile``, ``pickle`` and text
+    decoding quote the damaged bytes themselves (``File name in directory 'archive/data.pkl' and header
+    b'ar\\xc8...' differ``), which tell a user nothing and may be unprintable; the damage is named instead."""
+    text = str(err)
+    if isinstance(err, zipfile.BadZipFile):
+        if "File name in directory" in text:
+            return "a record's local zip header does not match the archive's directory (its header bytes changed)"
+        if "Bad magic number" in text:
+            return "a record's local zip header is damaged"
+        if "not a zip file" in text:
+            return "its zip directory (at the end of the file) is missing or damaged: the file was cut short or changed"
+        if "Bad CRC-32" in text:
+            name = re.search(r"for file (.+)$", text)
+            return f"record {name.group(1)} has the wrong CRC-32" if name else "a record has the wrong CRC-32"
+    if isinstance(err, pickle.UnpicklingError) and "invalid load key" in text:
+        return "it does not start like a file torch.save writes (neither a zip archive nor a pickle)"
+    if isinstance(err, UnicodeDecodeError):
+        return "a record name is not valid text (the zip header bytes changed)"
+    if isinstance(err, EOFError):
+        return "it ends before its last record (cut short)"
+    detail = _ESCAPES.sub("?", _BYTES_LITERAL.sub("<bytes>", text))
+    if len(detail) > _MAX_DETAIL:
+        detail = detail[: _MAX_DETAIL - 3] + "..."
+    return f"{type(err).__name__}: {detail}"
 
 
 def _looks_like_zip(path: Path) -> bool:

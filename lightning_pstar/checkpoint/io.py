@@ -13,10 +13,11 @@ link onto the name. A name held by a real directory (a sharded checkpoint copied
 replaced by ``rename``; there the new entry and the directory swap places atomically (Linux
 ``renameat2(RENAME_EXCHANGE)``) and the old directory is deleted afterwards. Where the exchange is missing, the
 directory is first renamed aside to ``.<name>.pstar-aside-<pid>``; a kill before the new entry is published
-leaves it there and the next save or load puts it back. Everything a save writes beside the final name has a
-name of its own pattern (``.<name>.pstar-tmp-<pid>``, ``.<name>.pstar-link-<pid>``, ``.<name>.<ns>`` data
-directories holding a ``.pstar-data`` marker) and :func:`remove_leftovers` deletes only such entries whose
-writer has gone: never a user's file.
+leaves it there and the next save or load puts it back (:func:`restore_set_aside`: every PatrickStar load
+and ``python -m lightning_pstar.consolidate``; plain readers cannot know the name). Everything a save writes
+beside the final name has a name of its own pattern (``.<name>.pstar-tmp-<pid>``, ``.<name>.pstar-link-<pid>``,
+``.<name>.<ns>`` data directories holding a ``.pstar-data`` marker) and :func:`remove_leftovers` deletes only
+such entries whose writer has gone: never a user's file.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import logging
 import os
 import re
 import shutil
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lightning_pstar.checkpoint.integrity import ChecksumMismatch, verify_torch_file
+from lightning_pstar.checkpoint.integrity import ChecksumMismatch, describe_damage, verify_torch_file
 
 __all__ = [
     "DATA_MARKER",
@@ -45,9 +47,12 @@ __all__ = [
     "publish",
     "remove_checkpoint_path",
     "remove_leftovers",
+    "restore_set_aside",
     "save_checkpoint_file",
     "write_data_marker",
 ]
+
+log = logging.getLogger(__name__)
 
 DATA_MARKER = ".pstar-data"  # in every data directory of a sharded save: "<host> <pid>" of the writer
 _TMP = re.compile(r"^\.(?P<name>.+)\.pstar-(?P<kind>tmp|link|aside)-(?P<pid>\d+)$")
@@ -227,9 +232,49 @@ def _remove_tmp(entry: Path, kind: str, final: Path, removed: list[Path]) -> Non
         removed.append(entry)
 
 
+def restore_set_aside(path: str | os.PathLike[str]) -> Path | None:
+    """Put back the checkpoint directory a save set aside at ``path`` and was killed before publishing its
+    replacement ([Note: publishing]); return the name it had (None: nothing to put back).
+
+    Only when ``path`` is empty and the writer named in the entry has gone: a save in flight is left alone.
+    Several ranks may race here: the first one's rename wins, the others find the entry gone.
+    """
+    target = Path(path)
+    if target.exists() or target.is_symlink() or not target.parent.is_dir():
+        return None
+    prefix = f".{target.name}.pstar-aside-"
+    here = socket.gethostname()
+    found = [
+        entry
+        for entry in target.parent.iterdir()
+        if entry.name.startswith(prefix)
+        and entry.name[len(prefix) :].isdigit()
+        and entry.is_dir()
+        and not entry.is_symlink()
+        and _writer_gone(here, int(entry.name[len(prefix) :]))
+    ]
+    for entry in sorted(found, key=lambda e: e.stat().st_mtime, reverse=True):  # the latest set aside
+        try:
+            os.replace(entry, target)
+        except OSError:
+            if target.exists():
+                return None  # another rank put one back first
+            continue
+        _fsync_dir(target.parent)
+        log.warning(
+            "PatrickStar: checkpoint '%s' was set aside as '%s' by a save killed before it published its"
+            " replacement; it is back in place.",
+            target,
+            entry.name,
+        )
+        return entry
+    return None
+
+
 def load_file(path: Path, *, map_location: Any = "cpu", weights_only: bool | None = False) -> Any:
     """``torch.load`` ``path`` after checking its checksums; a missing, truncated or corrupt file raises a
     :class:`CheckpointError` naming it and what is wrong."""
+    restore_set_aside(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint '{path}' does not exist. HINT: check the path (ckpt_path=...).")
     if path.is_dir():
@@ -256,7 +301,7 @@ def load_file(path: Path, *, map_location: Any = "cpu", weights_only: bool | Non
         return torch.load(path, map_location=map_location, weights_only=bool(weights_only))
     except Exception as err:  # noqa: BLE001 - a damaged file makes torch.load raise almost anything
         raise CheckpointError(
-            f"checkpoint '{path}' is truncated or corrupt and cannot be read ({type(err).__name__}: {err}).{hint}"
+            f"checkpoint '{path}' is truncated or corrupt and cannot be read: {describe_damage(err)}.{hint}"
         ) from err
 
 

@@ -35,6 +35,7 @@ from lightning_pstar.checkpoint.io import (
     no_space_error,
     publish,
     remove_leftovers,
+    restore_set_aside,
     write_data_marker,
 )
 
@@ -302,6 +303,7 @@ def read_sharded_tensors(path: Path, wanted: Mapping[str, torch.Size]) -> dict[s
 def consolidate(directory: str | os.PathLike[str], output: str | os.PathLike[str]) -> None:
     """Turn a sharded checkpoint directory into one ordinary (consolidated) Lightning checkpoint file."""
     path = Path(directory)
+    restore_set_aside(path)  # a save killed mid-publish: [Note: publishing] in io.py
     meta = read_sharded_meta(path)
     tensors = read_sharded_tensors(path, stored_keys(path))
     info = meta.pop(INFO_KEY)

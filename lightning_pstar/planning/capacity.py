@@ -50,8 +50,8 @@ from lightning_pstar.planning.requirements import (
     host_embedding_bytes,
     host_embeddings,
     min_device_bytes,
-    tier_need,
 )
+from lightning_pstar.planning.tiers import optimizer_starts_on_host, setup_chunk_room, tier_need
 from lightning_pstar.report import format_bytes
 
 if TYPE_CHECKING:
@@ -120,10 +120,11 @@ class CapacityPlan:
     host_budget: int  # per rank
     min_device_bytes: int  # param chunks resident at once for the most demanding module (per rank)
     min_device_module: str
-    device_model_data_bytes: int  # model data per rank that can stay on the device (budget permitting)
-    host_model_data_bytes: int  # model data per rank that must live in host RAM (host embeddings included)
+    device_model_data_bytes: int  # model data per rank the device keeps when the host is fullest
+    host_model_data_bytes: int  # what host RAM must hold per rank (host embeddings, step temporaries included)
     fits_model_data: bool
     fits_min_device: bool
+    host_temporary_bytes: int = 0  # of host_model_data_bytes: the optimizer step's temporaries on the host
     largest: LargestModel | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -176,12 +177,15 @@ class CapacityPlan:
             ),
             (
                 "DEVICE (per rank)",
-                f"must hold {_fmt(self.min_device_bytes)} (module '{self.min_device_module}'), can hold"
-                f" {_fmt(self.device_model_data_bytes)} of model data; budget {_fmt(self.device_budget)}",
+                f"must hold {_fmt(self.min_device_bytes)} (module '{self.min_device_module}'), keeps"
+                f" {_fmt(self.device_model_data_bytes)} of model data when the host is fullest (the first optimizer"
+                f" step under placement 'auto'); budget {_fmt(self.device_budget)}",
             ),
             (
                 "HOST (per rank)",
-                f"must hold {_fmt(self.host_model_data_bytes)}; budget {_fmt(self.host_budget)}",
+                f"must hold {_fmt(self.host_model_data_bytes)}"
+                + (f" (step temporaries {_fmt(self.host_temporary_bytes)})" if self.host_temporary_bytes else "")
+                + f"; budget {_fmt(self.host_budget)}",
             ),
             ("fits", "yes" if self.fits else "NO: " + "; ".join(self.reasons)),
         ]
@@ -245,6 +249,9 @@ class _Settings:
     chunk_elements: int | None  # None: auto
     cpu_embedding: bool
     allocator_friendly: bool = False  # CUDA: the engine's pinned-host-friendly chunk sizes ([Note: pinned memory])
+    placement: str = "auto"
+    static_fraction: float = 1.0
+    warmup_fraction: float = 0.25
 
 
 def _settings(
@@ -259,6 +266,7 @@ def _settings(
     cpu_embedding: bool,
     frozen_master: bool = True,
     device_type: str | None = None,
+    placement: str = "auto",
 ) -> _Settings:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive int, got {world_size!r}. HINT: the number of ranks.")
@@ -266,7 +274,8 @@ def _settings(
         raise ValueError(f"`accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches!r}.")
     device_budget = parse_bytes(device_memory, name="device_memory")
     host_budget = parse_bytes(host_memory, name="host_memory")
-    chunk_elements = PStarConfig.from_flat(chunk_size=chunk_size).chunks.elements  # the strategy's validation
+    config = PStarConfig.from_flat(chunk_size=chunk_size, placement=placement)  # the strategy's validation
+    chunk_elements = config.chunks.elements
     mixed = precision != "32-true"
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # where the strategy would run here
@@ -287,6 +296,9 @@ def _settings(
         chunk_elements=chunk_elements,
         cpu_embedding=cpu_embedding,
         allocator_friendly=device_type == "cuda",
+        placement=config.placement.policy,
+        static_fraction=config.placement.static_chunk_fraction,
+        warmup_fraction=config.placement.warmup_chunk_fraction,
     )
 
 
@@ -315,14 +327,27 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         allocator_friendly=settings.allocator_friendly,  # the engine's choice on the same device
     )
     embeddings = host_embedding_bytes(host, optimizer=bpe.optimizer)
-    # offloaded model data starts its optimizer side (fp32 masters, grads, states) on the host, as the engine's
-    # placement policies do; model data that fits the device budget keeps it there
-    offloaded = tier_need(layout, bpe, world_size=ws, device_budget=None).per_rank > device
-    tiers = tier_need(
-        layout, bpe, world_size=ws, device_budget=device, host_embedding_bytes=embeddings, optimizer_on_host=offloaded
-    )
     index = {id(p): i for i, (p, _) in enumerate(named)}
     need, where = min_device_bytes(module, layout, index, itemsize=bpe.param, world_size=ws)
+    # where the optimizer side starts and the device room chunks get before the warm-up: the engine's placement
+    # policies' choices, from the same functions ([Note: the host need] in planning/tiers.py)
+    on_host = optimizer_starts_on_host(
+        settings.placement,
+        model_data_bytes=tier_need(layout, bpe, world_size=ws).per_rank,
+        device_budget=device,
+        static_fraction=settings.static_fraction,
+    )
+    room = setup_chunk_room(
+        settings.placement,
+        device_budget=device,
+        min_bytes=need,
+        static_fraction=settings.static_fraction,
+        warmup_fraction=settings.warmup_fraction,
+    )
+    tiers = tier_need(
+        layout, bpe, world_size=ws, host_embedding_bytes=embeddings, optimizer_on_host=on_host,
+        chunk_room=room, pinned=settings.allocator_friendly,
+    )  # fmt: skip
     every = [(p, names[0]) for p, names in named] + [(p, name) for name, p in host.items()]
     num_params = layout.payload_elements + sum(p.numel() for p in host.values())
     trainable_cap = sum(c.capacity for c in layout.chunks if c.trainable)
@@ -357,6 +382,7 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         min_device_module=where,
         device_model_data_bytes=tiers.device,
         host_model_data_bytes=tiers.host,
+        host_temporary_bytes=tiers.scratch,
         fits_model_data=tiers.host <= settings.host_budget,
         fits_min_device=need <= device,
         notes=_notes(every),
@@ -379,6 +405,7 @@ def plan_capacity(
     search_largest: bool = True,
     scale: Scale | str = Scale.BOTH,
     device_type: str | None = None,
+    placement: str = "auto",
 ) -> CapacityPlan:
     """Plan the chunks of ``target`` and say whether it fits ``device_memory`` + ``host_memory`` per rank.
 
@@ -388,7 +415,9 @@ def plan_capacity(
     The other options are the strategy's (``chunk_size``, ``cpu_embedding``, ``frozen_master``) and the run's
     (precision, optimizer, gradient accumulation, number of ranks); both budgets are per rank. ``device_type``
     ('cuda' or 'cpu', default: this machine's accelerator) picks the chunk sizes the engine picks there (on CUDA,
-    sizes that pinned host memory holds without rounding).
+    sizes that pinned host memory holds without rounding). ``placement`` ('auto' or 'static', with the
+    strategy's default fractions) decides, as in the engine, where the optimizer side starts and how much of the
+    device budget chunks may use before the warm-up.
     """
     try:
         scale = Scale(scale)
@@ -408,6 +437,7 @@ def plan_capacity(
         cpu_embedding=cpu_embedding,
         frozen_master=frozen_master,
         device_type=device_type,
+        placement=placement,
     )
     module, description, gpt_config = build_meta_model(target, overrides=overrides)
     plan = _plan_module(module, description, settings)

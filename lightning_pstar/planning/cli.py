@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=list(SUPPORTED_PRECISIONS), default="bf16-mixed")
     parser.add_argument("--chunk-size", type=_chunk_size, default="auto", help="'auto' or elements per chunk")
     parser.add_argument("--optimizer", choices=list(OPTIMIZER_STATE_BYTES), default="adam")
+    parser.add_argument(
+        "--placement", choices=["auto", "static"], default="auto",
+        help="the strategy's placement: where the optimizer side starts and the device share chunks get at first",
+    )  # fmt: skip
     parser.add_argument("--accumulate-grad-batches", type=int, default=1, help="> 1 adds fp32 gradient sums")
     parser.add_argument("--cpu-embedding", action="store_true", help="embeddings fp32 on HOST, outside chunks")
     parser.add_argument(
@@ -119,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             search_largest=not args.no_largest,
             scale=args.scale,
             device_type=args.device_type,
+            placement=args.placement,
         )
     except ValueError as err:
         parser.error(str(err))  # exits with status 2

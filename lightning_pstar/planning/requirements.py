@@ -4,7 +4,7 @@ resident, and what the model data needs per tier.
 Pure functions over a module, a :class:`~lightning_pstar.planning.layout.Layout` and numbers: the engine
 (:class:`~lightning_pstar.runtime.manager.ChunkManager`) calls them at setup and the capacity planner
 (:mod:`lightning_pstar.planning.capacity`) calls them before training, so every figure both compute is the
-same function's result.
+same function's result. What the run needs per tier is :mod:`lightning_pstar.planning.tiers`' (re-exported here).
 """
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ from typing import cast
 
 from torch import nn
 
-from lightning_pstar.planning.layout import Fit, Layout, ParamSpec, group_of, owner_of, plan_layout, search_chunk_size
-from lightning_pstar.report import format_bytes
+from lightning_pstar.planning.layout import Fit, Layout, ParamSpec, group_of, plan_layout, search_chunk_size
+from lightning_pstar.planning.tiers import (
+    MemoryBudgetError,
+    TierNeed,
+    check_budgets,
+    step_temporary_bytes,
+    tier_need,
+)
 
 __all__ = [
     "BytesPerElement",
@@ -27,6 +33,7 @@ __all__ = [
     "chunk_layout",
     "collect_parameters",
     "friendly_chunk_elements",
+    "host_embedding_bytes",
     "host_embeddings",
     "min_device_bytes",
     "module_parameters",
@@ -35,10 +42,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class MemoryBudgetError(ValueError):
-    """The chunks needed at one moment do not fit the tier budgets (a budget option is too small)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,125 +256,7 @@ def min_device_bytes(
     return worst, worst_name
 
 
-@dataclass(frozen=True, kw_only=True)
-class TierNeed:
-    """Model data of the rank whose host need is largest, and how it splits between the tiers."""
-
-    per_rank: int
-    """Chunk bytes of every family the rank owns (chunk ``i`` is owned by rank ``i % world_size``)."""
-    frozen_master: int
-    """Of which fp32 copies of frozen weights, which never go to the device."""
-    device: int
-    """What the device budget can take: everything but what starts on the host, up to the budget."""
-    host: int
-    """The rest, plus host-resident embeddings (``cpu_embedding``)."""
-    optimizer_side: int = 0
-    """Of ``per_rank``: fp32 masters, fp32 grads and optimizer states of trainable families."""
-    optimizer_on_host: bool = False
-    """The optimizer side starts on the host (counted in ``host`` whatever the device budget)."""
-
-
-def tier_need(
-    layout: Layout,
-    bpe: BytesPerElement,
-    *,
-    world_size: int,
-    device_budget: int | None,
-    host_embedding_bytes: int = 0,
-    optimizer_on_host: bool = False,
-) -> TierNeed:
-    """Where the model data of the fullest rank goes when the device keeps as much as its budget allows
-    (``device_budget=None``: unlimited).
-
-    ``optimizer_on_host``: the fp32 masters, grads and optimizer states start on the host (the placement
-    policy's ``optimizer_tier`` at setup: ``auto`` with a device budget, ``static`` when model data exceeds the
-    chunks' share); they then count against the host budget in full, before anything is allocated, and only
-    param chunks share the device budget. The fullest rank is the one whose host need is largest.
-    """
-    owned = [0] * world_size
-    frozen = [0] * world_size
-    side = [0] * world_size
-    side_bpe = bpe.master + bpe.grad + bpe.optimizer
-    for chunk in layout.chunks:
-        rank = owner_of(chunk.chunk_id, world_size)
-        owned[rank] += chunk.capacity * (bpe.trainable if chunk.trainable else bpe.frozen)
-        if chunk.trainable:
-            side[rank] += chunk.capacity * side_bpe
-        else:
-            frozen[rank] += chunk.capacity * bpe.frozen_master
-    needs = []
-    for rank in range(world_size):
-        on_host = frozen[rank] + (side[rank] if optimizer_on_host else 0)
-        movable = owned[rank] - on_host
-        device = movable if device_budget is None else min(movable, device_budget)
-        needs.append((on_host + movable - device, owned[rank], rank, device))
-    host, per_rank, rank, device = max(needs)
-    return TierNeed(
-        per_rank=max(owned),
-        frozen_master=frozen[rank],
-        device=device,
-        host=host_embedding_bytes + host,
-        optimizer_side=side[rank],
-        optimizer_on_host=optimizer_on_host,
-    )
-
-
-def step_temporary_bytes(capacity: int, *, mixed: bool) -> int:
-    """Device bytes the optimizer step of one family allocates beside its chunks when it runs on the device: in
-    mixed precision the fp32 copy of the family's compute-dtype gradients (``optim/grads.py``), live until the
-    family's update is done (families step one at a time); 32-true steps on views of its fp32 grad chunk."""
-    return 4 * capacity if mixed else 0
-
-
 def host_embedding_bytes(params: Mapping[str, nn.Parameter], *, optimizer: int) -> int:
     """fp32 weight, fp32 gradient and optimizer states of each trainable host-resident embedding (every rank
     keeps a replica); a frozen one is its fp32 weight only."""
     return sum(p.numel() * (4 + 4 + optimizer if p.requires_grad else 4) for p in params.values())
-
-
-def check_budgets(
-    *,
-    need: int,
-    where: str,
-    tiers: TierNeed,
-    device_budget: int | None,
-    host_budget: int,
-    static_fraction: float | None,
-) -> None:
-    """Refuse at setup, with the numbers per tier, a model whose chunks cannot fit: one module's chunks
-    (``need`` bytes, module ``where``) above the device budget (or above the static share of it:
-    ``static_fraction`` is given only under ``placement='static'``), or model data above the two tiers."""
-    if device_budget is not None and need > device_budget:
-        raise MemoryBudgetError(
-            f"device_memory_limit is too small: module '{where}' needs parameter chunks of"
-            f" {format_bytes(need, exact=True)} resident at once for its forward, but the device budget is"
-            f" {format_bytes(device_budget, exact=True)}. The budget covers chunks and, under placement='auto', the"
-            " non-model memory (activations) the warm-up measures as well; under 'static', chunks get"
-            f" static_chunk_fraction of it. HINT: raise device_memory_limit to at least {need} bytes plus the"
-            " activations' peak, or use a smaller chunk_size."
-        )
-    if static_fraction is not None and device_budget is not None and need > device_budget * static_fraction:
-        share = format_bytes(int(device_budget * static_fraction), exact=True)
-        raise MemoryBudgetError(
-            f"placement='static' gives chunks {share} (static_chunk_fraction={static_fraction} of the"
-            f" {format_bytes(device_budget, exact=True)} device budget), but module '{where}' needs"
-            f" {format_bytes(need, exact=True)} of chunks resident at once. HINT: raise device_memory_limit or"
-            " static_chunk_fraction, use a smaller chunk_size, or use placement='auto', which gives chunks the"
-            " room activations leave at each moment."
-        )
-    if tiers.host > host_budget:
-        start = ""
-        if tiers.optimizer_on_host:
-            start = (
-                f" The fp32 masters/grads and optimizer states ({format_bytes(tiers.optimizer_side, exact=True)})"
-                " start on the host whatever the device budget (placement 'auto' with a device budget moves"
-                " the families that fit onto the device only after the warm-up)."
-            )
-        raise MemoryBudgetError(
-            f"model data does not fit: this rank needs {format_bytes(tiers.per_rank, exact=True)} of chunks"
-            " (params, fp32 masters/grads and optimizer states); the device can take"
-            f" {format_bytes(tiers.device, exact=True)} (device budget {format_bytes(device_budget, exact=True)}),"
-            f" which leaves {format_bytes(tiers.host, exact=True)} for the host, but host_memory_limit is"
-            f" {format_bytes(host_budget, exact=True)}.{start} HINT: raise host_memory_limit or"
-            " device_memory_limit, or train on more ranks."
-        )

@@ -9,6 +9,7 @@ the layout on this device, and the check that the model fits both, with the capa
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -16,15 +17,24 @@ from torch import nn
 
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.planning.layout import Layout
-from lightning_pstar.planning.requirements import (
-    BytesPerElement,
-    check_budgets,
-    chunk_layout,
-    host_embedding_bytes,
-    tier_need,
-)
+from lightning_pstar.planning.requirements import BytesPerElement, chunk_layout, host_embedding_bytes
+from lightning_pstar.planning.tiers import MemoryBudgetError, TierNeed, check_budgets, host_breakdown, tier_need
+from lightning_pstar.report import format_bytes
 
-__all__ = ["check_setup_budgets", "device_budget_of", "host_budget_of", "host_ram_bytes", "plan_layout"]
+__all__ = [
+    "UnboundHostLimitWarning",
+    "check_host_after_warmup",
+    "check_setup_budgets",
+    "device_budget_of",
+    "host_budget_of",
+    "host_ram_bytes",
+    "plan_layout",
+    "warn_unbound_host_limit",
+]
+
+
+class UnboundHostLimitWarning(UserWarning):
+    """``host_memory_limit`` was set where it bounds little or nothing (a CPU run without a device budget)."""
 
 
 def host_ram_bytes() -> int:
@@ -80,16 +90,21 @@ def check_setup_budgets(
     host_budget: int,
     optimizer_on_host: bool,
     static_fraction: float | None,
-) -> None:
+    chunk_room: int | None,
+    pinned: bool,
+) -> TierNeed:
     """Raise a ``MemoryBudgetError`` with the numbers per tier unless the model fits both budgets
-    (``module_need``: the bytes one module needs resident, and its name)."""
+    (``module_need``: the bytes one module needs resident, and its name; ``chunk_room``: the device room the
+    placement gives chunks before the warm-up; ``pinned``: host chunks are pinned). Returns the need, whose
+    ``scratch`` the runtime holds back from the host budget ([Note: the host need] in ``planning/tiers.py``)."""
     tiers = tier_need(
         layout,
         bpe,
         world_size=world_size,
-        device_budget=device_budget,
         host_embedding_bytes=host_embedding_bytes(host_params, optimizer=bpe.optimizer),
         optimizer_on_host=optimizer_on_host,
+        chunk_room=chunk_room,
+        pinned=pinned,
     )
     need, where = module_need
     check_budgets(
@@ -99,4 +114,65 @@ def check_setup_budgets(
         device_budget=device_budget,
         host_budget=host_budget,
         static_fraction=static_fraction,
+    )
+    return tiers
+
+
+def warn_unbound_host_limit(config: PStarConfig, device: torch.device) -> bool:
+    """Warn when ``host_memory_limit`` is set on a CPU run without ``device_memory_limit``; whether it warned.
+
+    The simulated device then has no budget and keeps every chunk, so nothing is ever offloaded and the host
+    budget bounds only what lives on the host whatever the device (fp32 copies of frozen weights, host-resident
+    embeddings). The limit is kept, not widened: it still refuses those at setup (after this warning).
+    """
+    limit = config.memory.host_limit_bytes
+    if limit is None or device.type != "cpu" or config.memory.device_limit_bytes is not None:
+        return False
+    warnings.warn(
+        UnboundHostLimitWarning(
+            f"host_memory_limit={config.memory.host_limit!r} barely binds on this CPU run: without"
+            " device_memory_limit the simulated device has no budget and keeps every chunk, so nothing is offloaded"
+            " to the host and the limit bounds only what lives there whatever the device (fp32 copies of frozen"
+            " weights, cpu_embedding). HINT: set device_memory_limit to simulate a device"
+            " of that size (the host budget then bounds what is offloaded), or drop host_memory_limit."
+        ),
+        stacklevel=2,
+    )
+    return True
+
+
+def check_host_after_warmup(
+    layout: Layout,
+    bpe: BytesPerElement,
+    setup: TierNeed,
+    *,
+    world_size: int,
+    device_budget: int,
+    host_budget: int,
+    room: int,
+    pinned: bool,
+) -> None:
+    """At the warm-up's optimizer step, before it runs: the host need again, with the least device room chunks
+    get once the warm-up has measured the activations (``room``: the budget less their peak) instead of the room
+    setup knew of. Activations above the setup's share push more param chunks to the host; a host budget that
+    then cannot hold them is refused now, while the weights are still the initial ones ([Note: the host need] in
+    ``planning/tiers.py``)."""
+    tiers = tier_need(
+        layout,
+        bpe,
+        world_size=world_size,
+        host_embedding_bytes=setup.embeddings,
+        optimizer_on_host=setup.optimizer_on_host,
+        chunk_room=max(room, 0),
+        pinned=pinned,
+    )
+    if tiers.host <= host_budget:
+        return
+    raise MemoryBudgetError(
+        f"host_memory_limit is too small for this model's iteration: the warm-up measured activations that leave"
+        f" chunks {format_bytes(max(room, 0), exact=True)} of the {format_bytes(device_budget, exact=True)} device"
+        f" budget at their peak, so the host must hold {format_bytes(tiers.host, exact=True)}"
+        f" ({host_breakdown(tiers)}; setup counted {format_bytes(setup.host, exact=True)} before the activations"
+        f" were known), but host_memory_limit is {format_bytes(host_budget, exact=True)}. The optimizer step did"
+        " not run. HINT: raise host_memory_limit or device_memory_limit, or lower the batch size."
     )

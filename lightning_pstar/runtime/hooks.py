@@ -57,6 +57,7 @@ from torch import nn
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.param_guard import ParameterGuard
 from lightning_pstar.runtime.state import TensorState
 
 __all__ = ["ModelHooks", "holds_compiled_code"]
@@ -159,6 +160,7 @@ class ModelHooks:
         self._unpack_node: Any = None  # the autograd node unpacking saved weights now (held until the next)
         self._unpack_pins: set[int] = set()  # families it read from: not evicted while it runs
         self._leaf_handles: list[Any] = []  # hooks on leaf inputs of modules (removed at the next training forward)
+        self._guard: ParameterGuard | None = None
 
     def install(self) -> None:
         add = self._add_module_hooks
@@ -175,6 +177,14 @@ class ModelHooks:
         for module in self.manager.module.modules():
             if isinstance(module, nn.Embedding) and id(module.weight) in host:
                 add(module, self._host_lookup_input, self._host_lookup_output)
+        # a parameter assigned after setup is refused where it is assigned: [Note: parameters fixed at setup]
+        self._guard = ParameterGuard(self.manager.module, self._is_managed)
+        self._handles.extend(self._guard.install())
+
+    def _is_managed(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one the engine manages now (in a chunk slot, or a host-resident embedding)."""
+        record = self.manager.table.by_id.get(id(param))
+        return (record is not None and record.param is param) or self.manager.is_host_param(param)
 
     def _add_module_hooks(self, module: nn.Module, pre: Any, post: Any) -> None:
         """Register a forward pre-hook and a forward hook that ``torch.compile`` runs eagerly ([Note: hooks

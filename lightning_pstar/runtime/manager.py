@@ -30,7 +30,14 @@ from lightning_pstar.planning.requirements import (
     tier_need,
 )
 from lightning_pstar.report import MemoryReport, format_bytes
-from lightning_pstar.runtime.budgets import check_setup_budgets, device_budget_of, host_budget_of, plan_layout
+from lightning_pstar.runtime.budgets import (
+    check_host_after_warmup,
+    check_setup_budgets,
+    device_budget_of,
+    host_budget_of,
+    plan_layout,
+    warn_unbound_host_limit,
+)
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
 from lightning_pstar.runtime.family import (
@@ -114,6 +121,7 @@ class ChunkManager:
             min_device_bytes=self._min_device_bytes,
             owns=lambda family: self.sharding.owns(family),
         )
+        self.residency.host_scratch_bytes = self.setup_need.scratch  # [Note: the host need] in planning/tiers.py
         self.residency.optimizer_tier = self._optimizer_start_tier(policy, device_budget)
         self.residency.hybrid_optimizer = config.placement.optimizer is OptimizerPlacement.AUTO
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
@@ -168,7 +176,8 @@ class ChunkManager:
                 warmup_chunk_fraction=config.placement.warmup_chunk_fraction,
             )
         start = self._optimizer_start_tier(policy, device_budget)
-        check_setup_budgets(
+        warn_unbound_host_limit(config, device)
+        self.setup_need = check_setup_budgets(
             self.layout,
             self.bytes_per_element(),
             module_need=self.min_device_bytes(),
@@ -178,6 +187,8 @@ class ChunkManager:
             host_budget=host_budget,
             optimizer_on_host=start is Tier.HOST,
             static_fraction=config.placement.static_chunk_fraction if policy.name == "static" else None,
+            chunk_room=policy.chunk_room(device_budget, self._min_device_bytes),
+            pinned=device.type == "cuda",
         )
         return device_budget, host_budget, policy
 
@@ -211,7 +222,7 @@ class ChunkManager:
     def _model_data_bytes(self) -> int:
         """Bytes of the families this rank owns once the optimizer's states exist."""
         bpe = self.bytes_per_element()
-        return tier_need(self.layout, bpe, world_size=self.world_size, device_budget=None).per_rank
+        return tier_need(self.layout, bpe, world_size=self.world_size).per_rank
 
     def min_device_bytes(self) -> tuple[int, str]:
         """Bytes of param chunks that must be resident at once for one module's forward, and its name."""
@@ -489,6 +500,14 @@ class ChunkManager:
         self.grads.discard([r for r in records if r.family.family_id not in stepping] if stepping else records)
 
     # ---- the optimizer step and the end of the warm-up -------------------------------------------------
+    def _check_host_after_warmup(self, room: int) -> None:
+        assert self.residency.device_budget is not None
+        check_host_after_warmup(
+            self.layout, self.bytes_per_element(), self.setup_need, world_size=self.world_size,
+            device_budget=self.residency.device_budget, host_budget=self.residency.host_budget, room=room,
+            pinned=self.device.type == "cuda",
+        )  # fmt: skip
+
     def step_moment(self) -> None:
         """The optimizer step is a moment of its own (it accesses every trainable family). At the warm-up's, the
         moments recorded so far must fit the device budget: refused before the step changes anything."""
@@ -497,7 +516,7 @@ class ChunkManager:
         fids = tuple(f.family_id for f in self.families if f.trainable)
         if training and recording:
             self.tracer.moment(MomentKind.STEP, 0, fids)  # closes (measures) the last backward moment
-            check_before_warmup_step(self.tracer, self.residency, self.comm)
+            check_before_warmup_step(self.tracer, self.residency, self.comm, host_check=self._check_host_after_warmup)
         self.residency.open_step(record=recording)
         if training:
             self.residency.note_step()

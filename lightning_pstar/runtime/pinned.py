@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_pstar.planning.tiers import block_bytes  # one function for the arena and the setup's host need
 from lightning_pstar.report import format_bytes
 
 __all__ = [
@@ -57,11 +58,6 @@ log = logging.getLogger(__name__)
 
 PINNED_RAM_SHARE = 0.5
 """Most of the machine's RAM (``MemTotal``) that chunk buffers pin; past it new buffers are pageable."""
-
-
-def block_bytes(nbytes: int) -> int:
-    """The block torch's caching host allocator hands out for a request of ``nbytes``: the next power of two."""
-    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def rounding_waste(nbytes: int) -> int:

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from lightning_pstar.planning.tiers import optimizer_starts_on_host, setup_chunk_room
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind
 from lightning_pstar.runtime.state import ChunkState, Tier
 
@@ -100,14 +101,19 @@ class StaticPlacement:
         self._last_use: dict[int, int] = {}
 
     def optimizer_tier(self, *, model_data_bytes: int, device_budget: int | None) -> Tier:
-        if device_budget is None or model_data_bytes <= device_budget * self.chunk_fraction:
-            return Tier.DEVICE
-        return Tier.HOST
+        on_host = optimizer_starts_on_host(
+            "static",
+            model_data_bytes=model_data_bytes,
+            device_budget=device_budget,
+            static_fraction=self.chunk_fraction,
+        )
+        return Tier.HOST if on_host else Tier.DEVICE
 
     def chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
-        if device_budget is None:
-            return None
-        return int(device_budget * self.chunk_fraction)  # setup checked that one module's chunks fit
+        return setup_chunk_room(  # setup checked that one module's chunks fit
+            "static", device_budget=device_budget, min_bytes=min_bytes, static_fraction=self.chunk_fraction,
+            warmup_fraction=1.0,
+        )  # fmt: skip
 
     def next_chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
         return self.chunk_room(device_budget, min_bytes)
@@ -143,14 +149,20 @@ class AutoPlacement:
     def optimizer_tier(self, *, model_data_bytes: int, device_budget: int | None) -> Tier:
         # with a budget, optimizer states start on HOST (safe during warm-up); the hybrid plan after
         # warm-up moves the families that fit the margin onto the device
-        return Tier.DEVICE if device_budget is None else Tier.HOST
+        on_host = optimizer_starts_on_host(
+            "auto", model_data_bytes=model_data_bytes, device_budget=device_budget, static_fraction=1.0
+        )
+        return Tier.HOST if on_host else Tier.DEVICE
 
     def chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
         if device_budget is None:
             return None
         tracer = self.tracer
         if not tracer.warmed_up:
-            return max(min_bytes, int(device_budget * self.warmup_fraction))
+            return setup_chunk_room(
+                "auto", device_budget=device_budget, min_bytes=min_bytes, static_fraction=1.0,
+                warmup_fraction=self.warmup_fraction,
+            )  # fmt: skip
         if not tracer.matches or tracer.cursor < 0:
             return max(min_bytes, device_budget - tracer.trace.peak_non_model)
         # the end of warm-up checked that every moment's chunks fit beside its non-model memory

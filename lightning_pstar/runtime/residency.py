@@ -96,6 +96,8 @@ class Residency:
         self.warmup_grad_in_slot: frozenset[int] = frozenset()  # families whose param slots held gradients
         self.warmup_stepped: frozenset[int] = frozenset()  # families the step updated
         self.bounds: Bounds | None = None
+        # the optimizer step's temporaries on the host, held back from the host budget: [Note: the host need]
+        self.host_scratch_bytes = 0
 
     # ---- chunks ------------------------------------------------------------------------------------------
     def new_chunk(self, family: ChunkFamily, kind: ChunkKind, dtype: torch.dtype) -> Chunk:
@@ -324,15 +326,20 @@ class Residency:
         owner = chunk if chunk is not None else spare
         buf = owner.host_buffer if owner is not None else None
         need = arena.added_bytes(nbytes, buf)
-        used = self.stats.per_tier_bytes[Tier.HOST] + self.stats.host_copy_bytes + arena.extra_bytes()
+        held = self.stats.host_copy_bytes
+        used = self.stats.per_tier_bytes[Tier.HOST] + held + arena.extra_bytes() + self.host_scratch_bytes
         if used + need > self.host_budget and self.stats.host_copy_bytes:
             self._free_host_copies(used + need - self.host_budget, spare)
             need = arena.added_bytes(nbytes, buf)  # a dropped pinned copy leaves an idle block it may reuse
-            used = self.stats.per_tier_bytes[Tier.HOST] + self.stats.host_copy_bytes + arena.extra_bytes()
+            held = self.stats.host_copy_bytes
+            used = self.stats.per_tier_bytes[Tier.HOST] + held + arena.extra_bytes() + self.host_scratch_bytes
         if used + need > self.host_budget:
             raise MemoryBudgetError(
-                f"host budget exceeded: {format_bytes(used, exact=True)} in use, {format_bytes(nbytes, exact=True)}"
-                f" more needed, budget {format_bytes(self.host_budget, exact=True)}. HINT: raise host_memory_limit."
+                f"host budget exceeded: {format_bytes(used, exact=True)} in use (of which"
+                f" {format_bytes(self.host_scratch_bytes, exact=True)} held for the optimizer step's temporaries),"
+                f" {format_bytes(nbytes, exact=True)} more needed, budget {format_bytes(self.host_budget, exact=True)}."
+                " The setup check counts every chunk that can be on the host at once, so this is a bug in its"
+                " figures: please report it. HINT: raise host_memory_limit."
             )
 
     # ---- access ------------------------------------------------------------------------------------------

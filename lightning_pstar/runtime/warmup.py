@@ -15,7 +15,7 @@ the chunks it needs and the non-model memory measured then. Three decisions foll
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -99,12 +99,16 @@ def _plan_gathers(
     )
 
 
-def check_before_warmup_step(tracer: MemoryTracer, residency: Residency, comm: ChunkComm) -> None:
+def check_before_warmup_step(
+    tracer: MemoryTracer, residency: Residency, comm: ChunkComm, host_check: Callable[[int], None] | None = None
+) -> None:
     """At the warm-up's optimizer step, before it runs: the moments recorded so far (the forwards and backwards,
     closed now) checked against the device budget as :func:`end_warmup` checks them, so a budget that holds the
     chunks but not the activations is refused while the weights and optimizer states are still the initial
     ones. Every rank calls it (the step is collective): with several ranks one collective makes all of them
-    raise together, so none waits forever for a rank that stopped."""
+    raise together, so none waits forever for a rank that stopped. ``host_check`` is given the least room chunks
+    get after the warm-up (the budget less the peak of non-model memory) and raises when the host cannot hold
+    what that room leaves it."""
     budget = residency.device_budget
     if budget is None or residency.policy.name != "auto":
         return
@@ -116,6 +120,8 @@ def check_before_warmup_step(tracer: MemoryTracer, residency: Residency, comm: C
     error: MemoryBudgetError | None = None
     try:
         _check_trace_fits(tracer, tracer.trace.device_need(chunk_bytes), budget)
+        if host_check is not None:
+            host_check(budget - tracer.trace.peak_non_model)
     except MemoryBudgetError as err:
         error = err
     if comm.distributed:

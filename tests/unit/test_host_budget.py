@@ -31,27 +31,35 @@ def _side_bytes() -> int:
     return 3 * CAP * (4 + 8)
 
 
+def _host_need() -> int:
+    """The side, plus the bf16 param chunks a host step leaves on the host (2 per element), plus the step's fp32
+    gradient copy of one family (4 per element): [Note: the host need] in planning/tiers.py."""
+    return _side_bytes() + 3 * CAP * 2 + 4 * CAP
+
+
 def test_optimizer_states_on_host_are_refused_at_setup_naming_host_memory_limit() -> None:
     """placement='auto' with a device budget starts the fp32 masters and Adam states on the host, even though
-    the whole model would fit the device: a host budget one byte short of them is refused by the constructor,
-    which allocates nothing (the model's weights are untouched, no chunk exists)."""
+    the whole model would fit the device, and a step on the host leaves the param chunks there: a host budget one
+    byte short of all of it is refused by the constructor, which allocates nothing (the model's weights are
+    untouched, no chunk exists)."""
     model = _mlp()
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
-    side = _side_bytes()
+    side, need = _side_bytes(), _host_need()
     with pytest.raises(MemoryBudgetError, match="host_memory_limit") as info:
-        _manager(model, host=side - 1)
+        _manager(model, host=need - 1)
     message = str(info.value)
-    assert f"leaves {side:,} bytes" in message
-    assert f"optimizer states ({side:,} bytes" in message and "start on the host" in message
-    assert f"host_memory_limit is {side - 1:,} bytes" in message and "HINT" in message
+    assert f"leaves {need:,} bytes" in message
+    assert f"optimizer states {side:,} bytes" in message and "starts on the host" in message
+    assert f"host_memory_limit is {need - 1:,} bytes" in message and "HINT" in message
     for name, param in model.named_parameters():
         ptr, value = before[name]
         assert param.data_ptr() == ptr and torch.equal(param.detach(), value)
-    # exactly the side's bytes are accepted, and materialising then holds them on the host within the budget
-    manager = _manager(model, host=side)
+    # exactly the need is accepted, and materialising then holds the side on the host within the budget
+    manager = _manager(model, host=need)
     manager.materialise()
     manager.add_optimizer_chunks(["exp_avg", "exp_avg_sq"])  # type: ignore[list-item]
     assert manager.memory_report().host_chunk_bytes == side
+    assert manager.residency.host_scratch_bytes == 4 * CAP
 
 
 def test_static_placement_keeps_the_optimizer_side_on_the_device_when_all_fits() -> None:
@@ -63,12 +71,13 @@ def test_static_placement_keeps_the_optimizer_side_on_the_device_when_all_fits()
 
 def test_a_model_that_fits_neither_tier_names_both() -> None:
     """Device budget of one module's chunks and a small host: the error gives the per-rank need, what the device
-    takes and what is left for the host, with both budgets."""
+    keeps and what is left for the host, with both budgets."""
     with pytest.raises(MemoryBudgetError) as info:
         _manager(_mlp(), host=1000, device=2 * CAP)
     message = str(info.value)
     total = 3 * CAP * (2 + 4 + 8)
     assert f"needs {total:,} bytes" in message
-    # bf16 param chunks of 2 * CAP bytes each: the device budget takes one of them, the host the rest
-    assert f"device can take {2 * CAP:,} bytes" in message and f"leaves {total - 2 * CAP:,} bytes" in message
+    # every family steps on the host (auto with a device budget), which then holds all of it, and one family's
+    # fp32 gradient copy
+    assert "device can keep 0 bytes" in message and f"leaves {total + 4 * CAP:,} bytes" in message
     assert "host_memory_limit is 1,000 bytes" in message
