@@ -5,7 +5,8 @@ keeps the mechanism (copies, storage identity, accounting) in one place and lets
 
 - :class:`StaticPlacement` (ZeRO-Offload style): a fixed share of the device budget for chunks, decided
   before training; least recently used chunk evicted first.
-- :class:`AutoPlacement` (PatrickStar): during warm-up chunks use a small share of the device; afterwards
+- :class:`AutoPlacement` (PatrickStar): during warm-up chunks use a small share of the device (model data that
+  fits that share starts its optimizer side on the device: [Note: where the warm-up steps]); afterwards
   the room for chunks at moment ``t`` is ``budget - non_model[t]`` from the warm-up trace, victims are
   first the chunks the yardstick's plan does not keep at ``t`` ([Note: the yardstick] in ``yardstick.py``),
   then those whose next use is farthest away (Belady), a clean one (its eviction copies nothing) before a
@@ -141,16 +142,25 @@ class AutoPlacement:
         return self.tracer.warmed_up and self.tracer.matches
 
     def optimizer_tier(self, *, model_data_bytes: int, device_budget: int | None) -> Tier:
-        # with a budget, optimizer states start on HOST (safe during warm-up); the hybrid plan after
-        # warm-up moves the families that fit the margin onto the device
-        return Tier.DEVICE if device_budget is None else Tier.HOST
+        # [Note: where the warm-up steps] model data that fits the warm-up's share of the budget starts (and
+        # steps) on the device: nothing moves during the warm-up and nothing is pinned for optimizer states;
+        # otherwise the optimizer side starts on HOST (safe during the warm-up). Either way the hybrid plan after
+        # the warm-up keeps on the device the families that fit the margin at the step and moves the others
+        # (Residency.plan_hybrid_optimizer).
+        if device_budget is None or model_data_bytes <= self.warmup_room(device_budget):
+            return Tier.DEVICE
+        return Tier.HOST
+
+    def warmup_room(self, device_budget: int) -> int:
+        """Bytes chunks may hold on the device during the warm-up (before ``min_bytes`` raises it)."""
+        return int(device_budget * self.warmup_fraction)
 
     def chunk_room(self, device_budget: int | None, min_bytes: int) -> int | None:
         if device_budget is None:
             return None
         tracer = self.tracer
         if not tracer.warmed_up:
-            return max(min_bytes, int(device_budget * self.warmup_fraction))
+            return max(min_bytes, self.warmup_room(device_budget))
         if not tracer.matches or tracer.cursor < 0:
             return max(min_bytes, device_budget - tracer.trace.peak_non_model)
         # the end of warm-up checked that every moment's chunks fit beside its non-model memory
