@@ -1,6 +1,7 @@
 """Issue 12, item 3 on a CUDA device: chunk host buffers are really pinned, the bytes torch's caching host
 allocator holds for them (``reserved_bytes``: in use and cached) are the ones the arena accounts
-(``MemoryReport.pinned_bytes``), and teardown gives them back; issue 29: a model that fits pins nothing. Runs in a fresh process so that no other test's pinned blocks sit in the allocator's cache."""
+(``MemoryReport.pinned_bytes``), and teardown gives them back; issue 29: a model that fits pins nothing. Runs
+in a fresh process so that no other test's pinned blocks sit in the allocator's cache."""
 
 from __future__ import annotations
 

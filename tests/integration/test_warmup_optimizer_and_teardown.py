@@ -61,9 +61,7 @@ def test_warm_up_steps_on_the_device_and_the_plan_moves_what_does_not_fit(precis
     match = re.fullmatch(r"device for (\d+) of (\d+) families, host for the rest", placed)
     assert match is not None and 0 < int(match.group(1)) < int(match.group(2)), (placed, P, M, params, budget)
     assert got.recorder.losses == free.recorder.losses
-    for (name, value), (_, ref) in zip(
-        got.module.state_dict().items(), free.module.state_dict().items(), strict=True
-    ):
+    for (name, value), (_, ref) in zip(got.module.state_dict().items(), free.module.state_dict().items(), strict=True):
         assert torch.equal(value, ref), name
 
 
