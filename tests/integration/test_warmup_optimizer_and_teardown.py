@@ -83,3 +83,28 @@ def test_the_hand_back_option_is_a_validated_flag() -> None:
     with pytest.raises(ValueError, match=r"`hand_back_weights` must be true or false, got 'no'"):
         PatrickStarStrategy(hand_back_weights="no")  # type: ignore[arg-type]
     assert PatrickStarStrategy(hand_back_weights=False).config.hand_back_weights is False
+
+
+def test_teardown_gives_the_pinned_blocks_back_family_by_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29, item 4: the hand-back gives the idle pinned blocks back after each family's chunks are freed, so
+    the host never holds the whole pinned cache beside the copies made so far."""
+    from torch import nn
+
+    from lightning_pstar.checkpoint import model_state
+    from lightning_pstar.config import PStarConfig
+    from lightning_pstar.runtime.manager import ChunkManager
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    config = PStarConfig.from_flat(chunk_size=72)  # one layer (64 + 8 elements) per family
+    manager = ChunkManager(model, config=config, compute_dtype=torch.float32, device=torch.device("cpu"))
+    manager.materialise()
+    arena = host_arena()
+    held: list[int] = []  # at each release: families whose chunks still hold storage
+
+    def spy() -> Any:
+        held.append(sum(any(c.tier is not None for c in f.chunks.values()) for f in manager.families))
+        return arena
+
+    monkeypatch.setattr(model_state, "host_arena", spy)
+    model_state.restore_module(manager, torch.device("cpu"))
+    assert held == [2, 1, 0]
