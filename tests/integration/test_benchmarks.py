@@ -207,3 +207,26 @@ def test_pinned_waste_counts_the_rounding_the_cuda_layout_avoids() -> None:
     for size in pinned_waste.KIND_ITEMSIZES:  # the rounding is the next power of two of each buffer
         nbytes = searched["chunk_size"] * size
         assert pinned_waste.rounding_waste(nbytes) == (1 << (nbytes - 1).bit_length()) - nbytes
+
+
+def test_gpu_check_breakdown_reads_copies_host_adam_and_waits_from_a_trace() -> None:
+    """benchmarks/_gpu_measure.py's profile figures on a synthetic chrome trace (the CUDA categories a CPU run
+    never records): copies without device-to-device ones, torch's fused Adam on the host, the host's waits but
+    not the boundary synchronisations (cudaDeviceSynchronize)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from _gpu_measure import trace_figures
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    events = [
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "dur": 2000, "args": {"bytes": 4096}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "dur": 1000, "args": {"bytes": 1024}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 9000, "args": {"bytes": 1 << 20}},
+        {"cat": "cpu_op", "name": "aten::_fused_adamw_", "dur": 500_000},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 7000},
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "dur": 250_000},
+        {"cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "dur": 900_000},
+    ]
+    figures = trace_figures(events)
+    assert figures == {"moved_bytes_per_step": 5120, "transfers_s": 0.003, "host_adam_s": 0.5, "waits_s": 0.25}
+    assert trace_figures([]) == {"moved_bytes_per_step": None, "transfers_s": None, "host_adam_s": None, "waits_s": 0}

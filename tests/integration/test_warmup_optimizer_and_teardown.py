@@ -108,3 +108,23 @@ def test_teardown_gives_the_pinned_blocks_back_family_by_family(monkeypatch: pyt
     monkeypatch.setattr(model_state, "host_arena", spy)
     model_state.restore_module(manager, torch.device("cpu"))
     assert held == [2, 1, 0]
+
+
+def test_fabric_teardown_without_the_hand_back() -> None:
+    """The Fabric strategy takes the same flag: its teardown frees the chunks and leaves empty parameters."""
+    from lightning.fabric import Fabric
+
+    from lightning_pstar import PatrickStarFabricStrategy
+    from tests.helpers.models import BLOCK, VOCAB, FlatGPT
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=PatrickStarFabricStrategy(hand_back_weights=False))
+    fabric.launch()
+    model = fabric.setup_module(FlatGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(p for p in model.parameters() if p.requires_grad))
+    tokens = torch.randint(0, VOCAB, (2, BLOCK))
+    fabric.backward(model(tokens).float().square().mean())
+    optimizer.step()
+    fabric.strategy.teardown()
+    params = list(model.parameters())
+    assert params and all(p.numel() == 0 for p in params)
+    assert fabric.strategy.memory_report().model_data_bytes > 0  # type: ignore[attr-defined]
