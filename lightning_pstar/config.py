@@ -9,6 +9,7 @@ structured configs and Hydra YAML files are validated by the same code::
       placement         PlacementConfig       policy, static_chunk_fraction, warmup_chunk_fraction
       mixed_precision   MixedPrecisionConfig  frozen_master, loss_scale (LossScaleConfig)
       checkpoint        CheckpointFormat      consolidated | sharded
+      hand_back_weights bool                  copy the trained weights out at the end of the run
 
 ``__post_init__`` refuses a wrong type or range with a ``ValueError`` naming the option, the value and what
 is accepted. The strategy's flat keywords (``PatrickStarStrategy(device_memory_limit="8GiB")``) map onto this
@@ -398,6 +399,12 @@ class PStarConfig:
     checkpoint: CheckpointFormat = CheckpointFormat.CONSOLIDATED
     """How checkpoints are written: "consolidated" (one ordinary Lightning file, gathered to rank 0) or
     "sharded" (every rank writes what it owns; loads at any world size); see :class:`CheckpointFormat`."""
+    hand_back_weights: bool = True
+    """At the end of the run (``Trainer.fit`` returning, ``Fabric``'s teardown), give the model back as an
+    ordinary module with its trained fp32 weights on the host and the user's optimizers holding their states.
+    false: skip that copy (for runs whose weights leave through a checkpoint): the chunks are freed family by
+    family, the parameters become meta tensors of their shapes and dtypes, and the optimizers keep no state;
+    load a checkpoint to use the weights again."""
 
     def __post_init__(self) -> None:
         self.chunks = _section(self.chunks, ChunkConfig, name="chunks")
@@ -405,6 +412,7 @@ class PStarConfig:
         self.placement = _section(self.placement, PlacementConfig, name="placement")
         self.mixed_precision = _section(self.mixed_precision, MixedPrecisionConfig, name="mixed_precision")
         self.checkpoint = CheckpointFormat.coerce(self.checkpoint, name="checkpoint")
+        self.hand_back_weights = _flag(self.hand_back_weights, name="hand_back_weights")
 
     @classmethod
     def from_flat(cls, **options: Unpack[PStarOptions]) -> PStarConfig:
@@ -478,6 +486,7 @@ class PStarOptions(TypedDict, total=False):
     nonfinite: NonFinite | str
     loss_scale: LossScaleConfig | Mapping[str, Any] | None
     checkpoint: CheckpointFormat | str
+    hand_back_weights: bool
 
 
 FLAT_OPTIONS: Mapping[str, str] = {
@@ -498,6 +507,7 @@ FLAT_OPTIONS: Mapping[str, str] = {
     "nonfinite": "mixed_precision.nonfinite",
     "loss_scale": "mixed_precision.loss_scale",
     "checkpoint": "checkpoint",
+    "hand_back_weights": "hand_back_weights",
 }
 """Each flat keyword of the strategy (and flat key of earlier configs) -> its dotted path in PStarConfig."""
 

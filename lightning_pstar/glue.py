@@ -19,7 +19,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_pstar.checkpoint import restore_family
+from lightning_pstar.checkpoint import drop_weights, restore_family
 from lightning_pstar.config import HostMalloc, PStarConfig, check_option_names
 from lightning_pstar.host_malloc import applied as host_malloc_applied
 from lightning_pstar.host_malloc import keep_freed_host_memory
@@ -29,7 +29,6 @@ from lightning_pstar.report import MemoryReport, format_bytes
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
-from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.setup_checks import parameter_free_metrics, refuse_shared_parameters, refuse_unsupported_dtypes
 
 __all__ = [
@@ -96,8 +95,9 @@ def quiet_teardown(*parts: Any) -> None:
 
 
 def cpu_group(world_size: int) -> Any | None:
-    """A gloo group beside an NCCL world, for collectives on host tensors (None where the world is gloo
-    already, or one rank). Every rank creates it, in the same order."""
+    """A gloo group beside an NCCL world, for pickled objects (None where the world is gloo already, or one
+    rank; tensors go through the world's group: [Note: one group per run] in ``runtime/comm.py``). Every rank
+    creates it, in the same order."""
     dist = torch.distributed
     if world_size <= 1 or not dist.is_initialized() or dist.get_backend() == "gloo":
         return None
@@ -148,6 +148,7 @@ def build_engine(
             world_size=world_size,
             group=torch.distributed.group.WORLD if world_size > 1 else None,
             cpu_group=cpu_group(world_size),
+            device=device,
         ),
         local_world_size=local_world_size,
         accumulates=accumulates,
@@ -186,7 +187,8 @@ def hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Seque
     """Remove the hooks and give the model back as an ordinary module (fp32 weights on CPU, as Lightning's own
     teardown leaves it) with the user's optimizers holding the trained state, so a save after the run is
     complete. Called on every rank; after a failure on several ranks nothing is gathered (a rank may be stuck
-    in, or gone from, a collective) and the model keeps its chunk views."""
+    in, or gone from, a collective) and the model keeps its chunk views. With ``hand_back_weights=False`` the
+    weights and optimizer states are not copied out (:func:`drop_weights`)."""
     if hooks is not None:
         hooks.remove()
     try:
@@ -198,8 +200,11 @@ def hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Seque
         return EndOfRun(report=report, reports=None, optimizers=list(optimizers))
     reports = manager.comm.all_gather_object(report)
     chunked = [opt for opt in optimizers if isinstance(opt, ChunkedOptimizer)]
-    for opt, state in zip(chunked, _stream_back(manager, chunked), strict=True):
-        opt.user_optimizer.load_state_dict(state)
+    if manager.config.hand_back_weights:
+        for opt, state in zip(chunked, _stream_back(manager, chunked), strict=True):
+            opt.user_optimizer.load_state_dict(state)
+    else:
+        drop_weights(manager)  # the weights left through a checkpoint: nothing is copied out
     users = [opt.user_optimizer if isinstance(opt, ChunkedOptimizer) else opt for opt in optimizers]
     if manager.world_size > 1 and torch.distributed.is_initialized():
         torch.distributed.barrier()  # no rank leaves (and tears its process group down) while another communicates
@@ -216,8 +221,7 @@ def _stream_back(manager: ChunkManager, chunked: Sequence[ChunkedOptimizer]) -> 
         for opt, states in zip(chunked, read, strict=True):
             if opt.state_io.covers(family):
                 states.update(opt.state_io.family_states(family))
-        restore_family(manager, family, torch.device("cpu"))
-    host_arena().release()
+        restore_family(manager, family, torch.device("cpu"))  # gives the family's pinned blocks back too
     return [opt.state_io.assemble(states) for opt, states in zip(chunked, read, strict=True)]
 
 

@@ -20,6 +20,7 @@ from lightning_pstar.checkpoint.io import (
     save_checkpoint_file,
 )
 from lightning_pstar.checkpoint.model_state import (
+    drop_weights,
     family_values,
     full_state_dict,
     load_full_state_dict,
@@ -49,6 +50,7 @@ __all__ = [
     "SHARDED_KEY",
     "CheckpointError",
     "consolidate",
+    "drop_weights",
     "family_values",
     "full_state_dict",
     "is_sharded_checkpoint",

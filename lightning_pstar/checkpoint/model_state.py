@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from lightning_pstar.runtime.manager import ChunkManager
 
 __all__ = [
+    "drop_weights",
     "family_values",
     "full_state_dict",
     "load_full_state_dict",
@@ -242,17 +243,17 @@ def restore_module(manager: ChunkManager, device: torch.device) -> None:
     Family by family (a collective per family when there are several ranks, in the same order on every rank):
     a family's weights are copied out and its chunks freed before the next family is read, so the host never
     holds the chunks and a full copy of the model at once (issue 12: at most one family's copy beside the
-    chunks still held). The idle pinned blocks the chunks leave are given back at the end.
+    chunks still held). The pinned blocks a family's chunks leave are given back with it (issue 29), so the
+    host never holds the pinned chunks of the whole model beside the copies either.
     """
     manager.finish_steps()  # a step in flight ends first ([Note: the step pipeline] in runtime/pipeline.py)
     for family in manager.families:
         restore_family(manager, family, device)
-    host_arena().release()
 
 
 def restore_family(manager: ChunkManager, family: ChunkFamily, device: torch.device) -> None:
-    """:func:`restore_module` for one family: its parameters get ordinary tensors and its chunks are freed (on
-    every rank, in the families' order; the caller gives the idle pinned blocks back once all are done)."""
+    """:func:`restore_module` for one family: its parameters get ordinary tensors, its chunks are freed and the
+    pinned blocks they leave idle go back to the driver (on every rank, in the families' order)."""
     with torch.no_grad():
         if family.records:
             flat = _family_for_restore(manager, family)
@@ -261,8 +262,24 @@ def restore_family(manager: ChunkManager, family: ChunkFamily, device: torch.dev
                 value = value.view(record.slot.shape).to(device=device, dtype=record.orig_dtype, copy=True)
                 record.param.data = value
             del flat
-        for chunk in family.chunks.values():
-            chunk.release()
+        _free_family(family)
+
+
+def drop_weights(manager: ChunkManager) -> None:
+    """The end of a run that does not hand the weights back (``hand_back_weights=False``: they left through a
+    checkpoint): every parameter becomes an empty tensor of its original dtype on the host (no bytes, and any
+    use fails loudly on its shape rather than reading freed chunk memory) and every family's chunks are freed,
+    family by family with their pinned blocks. Nothing is communicated."""
+    for family in manager.families:
+        for record in family.records:
+            record.param.data = torch.empty(0, dtype=record.orig_dtype)
+        _free_family(family)
+
+
+def _free_family(family: ChunkFamily) -> None:
+    for chunk in family.chunks.values():
+        chunk.release()
+    host_arena().release()  # the idle blocks this family left, now: not the whole pinned cache at the end
 
 
 def _family_for_restore(manager: ChunkManager, family: ChunkFamily) -> torch.Tensor:

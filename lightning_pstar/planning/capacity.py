@@ -336,6 +336,7 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         model_data_bytes=tier_need(layout, bpe, world_size=ws).per_rank,
         device_budget=device,
         static_fraction=settings.static_fraction,
+        warmup_fraction=settings.warmup_fraction,
     )
     room = setup_chunk_room(
         settings.placement,

@@ -67,16 +67,22 @@ def step_temporary_bytes(capacity: int, *, mixed: bool) -> int:
 
 
 def optimizer_starts_on_host(
-    placement: str, *, model_data_bytes: int, device_budget: int | None, static_fraction: float
+    placement: str,
+    *,
+    model_data_bytes: int,
+    device_budget: int | None,
+    static_fraction: float,
+    warmup_fraction: float = 1.0,
 ) -> bool:
     """Whether the fp32 masters, grads and optimizer states start on the host (the placement policies' choice):
-    ``auto`` whenever there is a device budget (the hybrid plan after the warm-up moves what fits onto the
-    device), ``static`` when the model data exceeds the chunks' share of the budget."""
+    ``auto`` when the model data exceeds the warm-up's share of the budget (a model within it starts and steps on
+    the device, so nothing is pinned for optimizer states; the hybrid plan after the warm-up moves what fits the
+    margin at the step onto the device, the rest to the host), ``static`` when it exceeds the chunks' share."""
     if device_budget is None:
         return False
     if placement == "static":
         return model_data_bytes > device_budget * static_fraction
-    return True
+    return model_data_bytes > int(device_budget * warmup_fraction)
 
 
 def setup_chunk_room(

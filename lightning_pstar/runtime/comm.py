@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lightning_pstar.planning.layout import group_of, owner_of
 
-__all__ = ["ChunkComm", "group_for", "group_of", "owner_of", "profiled"]
+__all__ = ["ChunkComm", "group_of", "owner_of", "profiled", "staging_device"]
 
 _profiling = torch._C._autograd._profiler_enabled
 log = logging.getLogger(__name__)
@@ -32,13 +32,21 @@ def profiled(name: str) -> AbstractContextManager[Any]:
     return torch.profiler.record_function(name) if _profiling() else nullcontext()
 
 
-def group_for(device: torch.device, group: Any | None, cpu_group: Any | None) -> Any | None:
-    """The process group a collective on a tensor of ``device`` must use: ``cpu_group`` (gloo, created next
-    to an NCCL group) for host tensors when there is one, since NCCL takes only CUDA tensors; ``group``
-    otherwise."""
-    if device.type == "cpu" and cpu_group is not None:
-        return cpu_group
-    return group
+def staging_device(device: torch.device | None, backend: str) -> torch.device | None:
+    """Where a collective's tensors must be for the run's group: the run's CUDA ``device`` over NCCL (which takes
+    only CUDA tensors), else None (gloo takes host tensors, and CUDA ones for the collectives used here).
+
+    [Note: one group per run]
+    Every tensor collective of a run goes through the run's one process group (``ChunkComm.group``: NCCL on
+    GPUs, gloo on CPUs), chosen from the run's configuration, never from the tensor's device: the same chunk can
+    sit on the host on one rank and on the device on another (a hybrid optimizer plan, an eviction), and ranks
+    that picked different groups for the same collective would wait for each other forever. A tensor that is not
+    where the group needs it (a host tensor over NCCL) is copied there and back for a blocking collective; an
+    asynchronous one (gathers, reduce-scatters) refuses it. The gloo group beside NCCL (``cpu_group``) carries
+    pickled objects only."""
+    if device is not None and device.type == "cuda" and backend == "nccl":
+        return device
+    return None
 
 
 # newer torch (2.13 here) calls reduce_scatter_tensor reduce_scatter_single and deprecates the old name
@@ -129,7 +137,15 @@ def _release_at_exit(comm: ChunkComm) -> None:
 class ChunkComm:
     """Collectives over one process group, for chunks."""
 
-    def __init__(self, *, rank: int, world_size: int, group: Any | None = None, cpu_group: Any | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        group: Any | None = None,
+        cpu_group: Any | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         if world_size > 1 and not dist.is_initialized():
             raise RuntimeError(
                 f"world size {world_size} needs an initialised torch.distributed process group."
@@ -138,15 +154,46 @@ class ChunkComm:
         self.rank = rank
         self.world_size = world_size
         self.group = group
-        self.cpu_group = cpu_group  # gloo beside NCCL: collectives on host tensors (see group_for)
+        self.cpu_group = cpu_group  # gloo beside NCCL: pickled objects ([Note: one group per run])
+        self.device = device  # the run's device (None: a CPU run, or a test's fake)
+        self._staging: list[torch.device | None] = []  # staging_device, found on the first collective
         self.gathered_bytes = 0  # bytes received by all-gathers
         self.reduced_bytes = 0  # bytes sent to reduce-scatters
         if world_size > 1:
             _release_at_exit(self)  # [Note: process groups at exit]
 
     def group_for(self, tensor: torch.Tensor) -> Any | None:
-        """The group for a collective on ``tensor`` (:func:`group_for`)."""
-        return group_for(tensor.device, self.group, self.cpu_group)
+        """The group for a collective on ``tensor``: the run's one group whatever the tensor's device ([Note: one
+        group per run])."""
+        return self.group
+
+    def staging(self) -> torch.device | None:
+        """Where the tensors of this run's collectives must be (:func:`staging_device`)."""
+        if not self._staging:
+            backend = _backend(self.group) if self.distributed and self.device is not None else "gloo"
+            self._staging.append(staging_device(self.device, backend))
+        return self._staging[0]
+
+    def _in_place(self, tensor: torch.Tensor, collective: Callable[[torch.Tensor], Any]) -> torch.Tensor:
+        """Run a blocking in-place ``collective`` on ``tensor``, through a copy where the group needs one."""
+        where = self.staging()
+        if where is None or tensor.device == where:
+            collective(tensor)
+            return tensor
+        staged = tensor.to(where)
+        collective(staged)
+        tensor.copy_(staged)
+        return tensor
+
+    def _check_placed(self, tensor: torch.Tensor, what: str) -> None:
+        """An asynchronous collective's tensor must be where the group needs it: a wrong one is an engine bug."""
+        where = self.staging()
+        if where is not None and tensor.device != where:
+            raise RuntimeError(
+                f"PatrickStar: rank {self.rank} started {what} on a tensor on {tensor.device}, but this run's"
+                f" collectives run on {where} ([Note: one group per run]). HINT: this is a bug in lightning_pstar;"
+                " please report it with the model and the options."
+            )
 
     @property
     def distributed(self) -> bool:
@@ -161,8 +208,8 @@ class ChunkComm:
         """
         if not self.distributed:
             return None
-        group = group_for(buffers[rank_in_group].device, self.group, self.cpu_group)
-        work = dist.all_gather(list(buffers), buffers[rank_in_group], group=group, async_op=True)
+        self._check_placed(buffers[rank_in_group], "an all-gather")
+        work = dist.all_gather(list(buffers), buffers[rank_in_group], group=self.group, async_op=True)
         self.gathered_bytes += sum(b.numel() * b.element_size() for i, b in enumerate(buffers) if i != rank_in_group)
         return work
 
@@ -180,8 +227,9 @@ class ChunkComm:
         self.reduced_bytes += flat.numel() * flat.element_size()
         width, rank = self.world_size, self.rank
         parts = flat.view(width, -1)
-        group = group_for(flat.device, self.group, self.cpu_group)
-        if flat.device.type == "cpu":
+        self._check_placed(flat, "a reduce-scatter")
+        group = self.group
+        if flat.device.type == "cpu":  # a gloo group (over NCCL, _check_placed refused a host tensor)
             mine = parts[rank]
             if width == 2:  # only the peer's part travels each way; one part of room for what arrives
                 peer = 1 - rank
@@ -203,21 +251,22 @@ class ChunkComm:
         """Start an element-wise minimum over ranks in place; returns the work handle (None with one rank)."""
         if not self.distributed:
             return None
-        return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group_for(tensor), async_op=True)
+        self._check_placed(tensor, "an all-reduce")
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group_for(tensor))
+            self._in_place(tensor, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
         return tensor
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group_for(tensor))
+            self._in_place(tensor, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group))
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         if self.distributed:
-            dist.broadcast(tensor, src=src, group=self.group_for(tensor))
+            self._in_place(tensor, lambda t: dist.broadcast(t, src=src, group=self.group))
         return tensor
 
     def to_rank0_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -226,7 +275,7 @@ class ChunkComm:
         sends were seen to abort worker processes at exit (before [Note: process groups at exit] was understood)."""
         if not self.distributed or src == 0:  # rank 0 already holds it; nobody else keeps it
             return tensor
-        dist.broadcast(tensor, src=src, group=self.group_for(tensor))
+        self._in_place(tensor, lambda t: dist.broadcast(t, src=src, group=self.group))
         return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -25,8 +25,11 @@ carved into views could not be freed one view at a time. :class:`PinnedArena` th
   budget counts as held;
 - pins a new buffer only while the pinned bytes it could ever hold stay under a share of the machine's RAM
   (:func:`pin_decision`, :data:`PINNED_RAM_SHARE`); past it the buffer is pageable (slower copies, never an
-  exhausted machine) and one warning says so;
-- gives the idle blocks back to the driver at teardown (:meth:`PinnedArena.release`).
+  exhausted machine) and one warning says so; the decision is taken per buffer, so once blocks are given back
+  (:meth:`PinnedArena.release`) new buffers are pinned again;
+- gives the idle blocks back to the driver (:meth:`PinnedArena.release`): at the end of the warm-up (after the
+  hybrid plan moved optimizer states), when the host budget would refuse a buffer, and family by family at
+  teardown.
 
 There is one arena per process (:func:`host_arena`) because there is one caching host allocator per process:
 the arena is the ledger of what that allocator holds for the chunks, whichever engine allocated them.
@@ -157,20 +160,19 @@ class PinnedArena:
         and the caller (``pin``: the chunk's device is CUDA) pin, unless the pinned bytes it could hold would pass
         the share of RAM."""
         nbytes = capacity * dtype.itemsize
-        if pin and not pin_decision(
-            reserved=self.reserved_bytes(), nbytes=nbytes, mem_total=self.mem_total, share=self.share
-        ):
+        pinned = pin and self.would_pin(nbytes)
+        if pin and not pinned:
             self._fallbacks += 1
             if self._fallbacks == 1:
                 log.warning(
                     "PatrickStar: pinning another %s host chunk buffer would pass %.0f%% of this machine's RAM"
-                    " (%s); it and later ones use pageable memory (slower host-device copies). HINT: lower"
+                    " (%s); it, and any later one past that share, uses pageable memory (slower copies). HINT: lower"
                     " host_memory_limit or the model size, or add RAM.",
                     format_bytes(block_bytes(nbytes)),
                     100 * self.share,
                     format_bytes(self.mem_total),
                 )
-        if pin and self._fallbacks == 0:
+        if pinned:  # decided per buffer: once blocks are given back, new buffers are pinned again
             buf = torch.empty(0, dtype=dtype, pin_memory=self.pin)
             block = block_bytes(nbytes)
             size_class = self._classes.setdefault(block, _SizeClass(block=block))
@@ -265,10 +267,14 @@ class PinnedArena:
         if buf is not None:
             pinned = self._entry(buf) is not None
         else:
-            pinned = bool(self.pin or self._classes) and not self._fallbacks
+            pinned = bool(self.pin or self._classes) and self.would_pin(nbytes)
         if not pinned:
             return nbytes
         return 0 if self.reusable(nbytes) else block_bytes(nbytes)
+
+    def would_pin(self, nbytes: int) -> bool:
+        """Whether a new buffer of ``nbytes`` asked to be pinned would be, now (:func:`pin_decision`)."""
+        return pin_decision(reserved=self.reserved_bytes(), nbytes=nbytes, mem_total=self.mem_total, share=self.share)
 
     def reserved_bytes(self) -> int:
         """The most the pinned buffers handed out could ever hold at once (each its whole block)."""

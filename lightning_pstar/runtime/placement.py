@@ -5,7 +5,8 @@ keeps the mechanism (copies, storage identity, accounting) in one place and lets
 
 - :class:`StaticPlacement` (ZeRO-Offload style): a fixed share of the device budget for chunks, decided
   before training; least recently used chunk evicted first.
-- :class:`AutoPlacement` (PatrickStar): during warm-up chunks use a small share of the device; afterwards
+- :class:`AutoPlacement` (PatrickStar): during warm-up chunks use a small share of the device (model data that
+  fits that share starts its optimizer side on the device: [Note: where the warm-up steps]); afterwards
   the room for chunks at moment ``t`` is ``budget - non_model[t]`` from the warm-up trace, victims are
   first the chunks the yardstick's plan does not keep at ``t`` ([Note: the yardstick] in ``yardstick.py``),
   then those whose next use is farthest away (Belady), a clean one (its eviction copies nothing) before a
@@ -147,10 +148,17 @@ class AutoPlacement:
         return self.tracer.warmed_up and self.tracer.matches
 
     def optimizer_tier(self, *, model_data_bytes: int, device_budget: int | None) -> Tier:
-        # with a budget, optimizer states start on HOST (safe during warm-up); the hybrid plan after
-        # warm-up moves the families that fit the margin onto the device
+        # [Note: where the warm-up steps] model data that fits the warm-up's share of the budget starts (and
+        # steps) on the device: nothing moves during the warm-up and nothing is pinned for optimizer states;
+        # otherwise the optimizer side starts on HOST (safe during the warm-up). Either way the hybrid plan after
+        # the warm-up keeps on the device the families that fit the margin at the step and moves the others
+        # (Residency.plan_hybrid_optimizer). The planner asks the same function.
         on_host = optimizer_starts_on_host(
-            "auto", model_data_bytes=model_data_bytes, device_budget=device_budget, static_fraction=1.0
+            "auto",
+            model_data_bytes=model_data_bytes,
+            device_budget=device_budget,
+            static_fraction=1.0,
+            warmup_fraction=self.warmup_fraction,
         )
         return Tier.HOST if on_host else Tier.DEVICE
 

@@ -57,6 +57,30 @@ class _Round:
     outputs: list[torch.Tensor]  # per group: its own family's gradients and tail (views of one buffer)
     flat: torch.Tensor  # every rank's part of the input, kept alive until the work is done
     final: bool  # no second round can follow (the end of the backward)
+    tails: _HostCopy | None = None  # the outputs' tails on the host, once the work is done: [Note: no host sync]
+
+
+class _HostCopy:
+    """A device tensor's copy on the host, queued without blocking the host: pinned memory and an event on CUDA
+    (the CPU reads it once :meth:`ready`), a plain copy elsewhere. [Note: no host sync]"""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if source.device.type != "cuda":
+            self.host = source.clone()
+            return
+        self.host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        self.host.copy_(source, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def values(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()  # done already where ready() was asked first; waits for this copy only
+        return self.host.tolist()
 
 
 class GroupReducer:
@@ -216,6 +240,20 @@ class GroupReducer:
         if groups not in self.packed:  # no gradient of the groups arrived here: zeros
             self._allocate(groups[0])
         flat = self.packed.pop(groups)
+        self._write_tails(flat, groups, final=final)
+        sizes = [self.members(g)[self.rank].capacity + self._tail(g) for g in groups]
+        with profiled("pstar::reduce_scatter"):
+            work, mine = self.comm.start_reduce_scatter(flat)
+        self.reductions += 1
+        self.rounds.append(_Round(groups, work, list(mine.split(sizes)), flat, final))
+        self.reduced.update(groups)
+
+    def _write_tails(self, flat: torch.Tensor, groups: tuple[int, ...], *, final: bool) -> None:
+        """Every member's tail of ``groups`` in the round's input ([Note: the agreement in the reduction's
+        buffer]): built on the host, sent in one copy (from pinned memory on CUDA, so the host does not wait for
+        it: [Note: no host sync]) and spread into the tails on the device."""
+        views: list[torch.Tensor] = []
+        values: list[float] = []
         for group in groups:
             tail = self._tail(group)
             incomplete = 0.0 if final or self.waiting.get(group, 0) == 0 else 1.0
@@ -225,38 +263,68 @@ class GroupReducer:
                 flags = [1.0 if r.index in got else 0.0 for r in family.records]
                 flags += [0.0] * (tail - 1 - len(flags))
                 flags.append(incomplete)
-                buf[family.capacity :].copy_(torch.tensor(flags, dtype=torch.float32))
-        sizes = [self.members(g)[self.rank].capacity + self._tail(g) for g in groups]
-        with profiled("pstar::reduce_scatter"):
-            work, mine = self.comm.start_reduce_scatter(flat)
-        self.reductions += 1
-        self.rounds.append(_Round(groups, work, list(mine.split(sizes)), flat, final))
-        self.reduced.update(groups)
+                views.append(buf[family.capacity :])
+                values += flags
+        host = torch.tensor(values, dtype=torch.float32)
+        if flat.device.type == "cuda":
+            host = host.pin_memory()  # the caching host allocator keeps the block until the copy has read it
+        sent = host.to(flat.device, non_blocking=True)
+        for view, part in zip(views, sent.split([v.numel() for v in views]), strict=True):
+            view.copy_(part)
+
+    def _read_tails(self, done: _Round) -> _HostCopy:
+        """Queue the copy of the round's output tails to the host (its work is done or waited for)."""
+        tails = []
+        for group, output in zip(done.groups, done.outputs, strict=True):
+            own = self.members(group)[self.rank]
+            tails.append(output[own.capacity :])
+        return _HostCopy(torch.cat(tails))
 
     def store(self, *, block: bool) -> None:
         """Average finished rounds into the owners' chunks, oldest first (all of them if ``block``); a first round
-        some rank was incomplete for waits for its second."""
+        some rank was incomplete for waits for its second.
+
+        [Note: no host sync]
+        What the host must know of a round (which slots had a gradient on any rank, how many ranks were
+        incomplete) is in its outputs' tails on the device. Reading them with ``.item()`` / ``.tolist()`` would
+        wait for everything queued on the compute stream (the rest of the backward) at every round; instead,
+        once the collective is done, one copy of the round's tails to pinned host memory is queued with an event,
+        and a later call (the next sweep step) uses them once the event has passed. Only ``block`` (the end of
+        the backward) waits, and then for that copy alone."""
         while self.rounds:
             done = self.rounds[0]
-            if done.work is not None:
-                if not block and not done.work.is_completed():
-                    return
-                done.work.wait()
+            if done.tails is None:
+                if done.work is not None:
+                    if not block and not done.work.is_completed():
+                        return
+                    done.work.wait()
+                done.tails = self._read_tails(done)
+            if not block and not done.tails.ready():
+                return
+            values = done.tails.values()
             self.rounds.pop(0)
+            offset = 0
             for group, output in zip(done.groups, done.outputs, strict=True):
+                own = self.members(group)[self.rank]
+                tail = values[offset : offset + output.numel() - own.capacity]
+                offset += len(tail)
                 earlier = self.partial.pop(group, None)
                 if earlier is not None:
                     output.add_(earlier)
-                elif not done.final and output[-1].item() > 0:
+                elif not done.final and tail[-1] > 0:
                     self.partial[group] = output  # some rank still waited: the second round adds the rest
                     self.late.add(group)
                     continue
-                self._store_owned(group, output)
+                self._store_owned(group, output, tail if earlier is None else None)
 
-    def _store_owned(self, group: int, output: torch.Tensor) -> None:
+    def _store_owned(self, group: int, output: torch.Tensor, tail: list[float] | None) -> None:
+        """Average ``output`` and store the slots some rank had a gradient for; ``tail``: the output's tail as read
+        on the host (None after a second round, whose sum is then read here, once per late group)."""
         own = self.members(group)[self.rank]
         output.div_(self.world_size)
-        present = output[own.capacity : own.capacity + len(own.records)].tolist()
+        if tail is None:
+            tail = output[own.capacity :].tolist()  # a late group: at the end of the backward, rare
+        present = tail[: len(own.records)]
         self.grads.store_owned([r for r, flag in zip(own.records, present, strict=True) if flag > 0], output)
 
     def discard(self) -> None:

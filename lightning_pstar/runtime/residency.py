@@ -333,6 +333,11 @@ class Residency:
             need = arena.added_bytes(nbytes, buf)  # a dropped pinned copy leaves an idle block it may reuse
             held = self.stats.host_copy_bytes
             used = self.stats.per_tier_bytes[Tier.HOST] + held + arena.extra_bytes() + self.host_scratch_bytes
+        if used + need > self.host_budget and arena.idle_bytes():
+            arena.release()  # idle cached blocks (after evictions, moves) go back to the driver before refusing
+            need = arena.added_bytes(nbytes, buf)
+            held = self.stats.host_copy_bytes
+            used = self.stats.per_tier_bytes[Tier.HOST] + held + arena.extra_bytes() + self.host_scratch_bytes
         if used + need > self.host_budget:
             raise MemoryBudgetError(
                 f"host budget exceeded: {format_bytes(used, exact=True)} in use (of which"
@@ -405,7 +410,9 @@ class Residency:
 
     # ---- the optimizer's side ----------------------------------------------------------------------------
     def plan_hybrid_optimizer(self, peak_non_model: int) -> None:
-        """Keep whole optimizer-state families on the device as far as the margin at the step allows."""
+        """Keep whole optimizer-state families on the device as far as the margin at the step allows, in family
+        order: a family on the host that fits comes to the device, one on the device that does not fit goes to the
+        host (its pinned blocks are given back by the caller, :func:`~lightning_pstar.runtime.warmup.end_warmup`)."""
         assert self.device_budget is not None
         params = sum(f.param_chunk.nbytes for f in self.families)
         # CUDA: the device-side step's fp32 gradient copy of one family at a time is budgeted too (issue 12; the
@@ -415,22 +422,31 @@ class Residency:
             (step_temporary_bytes(f.capacity, mixed=ChunkKind.MASTER in f.chunks) for f in on_cuda), default=0
         )
         margin = self.device_budget - peak_non_model - params - temporary
-        moved = 0
+        on_device = 0
         for family in self.families:
             if not family.trainable:
                 continue  # a frozen family's fp32 copy is only read by state dicts
-            side = [c for k, c in family.chunks.items() if k is not ChunkKind.PARAM and c.tier is Tier.HOST]
+            side = [c for k, c in family.chunks.items() if k is not ChunkKind.PARAM and c.tier is not None]
             nbytes = sum(c.nbytes for c in side)
-            if not side or nbytes > margin:
+            if not side:
                 continue
-            for chunk in side:
-                chunk.move_to(Tier.DEVICE)
-            for record in family.records:
-                if record.grad_in_param_slot:  # the parameter reads its master (see point_at_chunk)
-                    self.point_at_chunk(record)
-            margin -= nbytes
-            moved += 1
-        log.info("PatrickStar: %d of %d optimizer-state families run on the device", moved, len(self.families))
+            # [Note: where the warm-up steps] in placement.py: families that started on the device and do not fit
+            # the margin go to the host, the others stay; families on the host that fit come to the device
+            tier = Tier.DEVICE if nbytes <= margin else Tier.HOST
+            moving = [c for c in side if c.tier is not tier]
+            for chunk in moving:
+                if tier is Tier.HOST:
+                    self.check_host_room(chunk.nbytes, chunk=chunk)
+                    self.optimizer_tier = Tier.HOST  # optimizer chunks created later start on the host
+                chunk.move_to(tier)
+            if moving:
+                for record in family.records:
+                    if record.grad_in_param_slot:  # the parameter reads its master (see point_at_chunk)
+                        self.point_at_chunk(record)
+            if tier is Tier.DEVICE:
+                margin -= nbytes
+                on_device += 1
+        log.info("PatrickStar: %d of %d optimizer-state families run on the device", on_device, len(self.families))
 
     @staticmethod
     def optimizer_tier_of(family: ChunkFamily) -> Tier:

@@ -28,7 +28,15 @@ import torch
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import format_bytes
 
-__all__ = ["CudaAllocatorStats", "Moment", "MomentKind", "MemoryTracer", "Trace", "out_of_memory_as_error"]
+__all__ = [
+    "CudaAllocatorStats",
+    "Moment",
+    "MomentKind",
+    "MemoryTracer",
+    "Trace",
+    "out_of_memory_as_error",
+    "take_free_blocks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +118,13 @@ class CudaAllocatorStats:
     counter at every moment of the warm-up. Resetting would corrupt a user's own peak measurement (a
     ``torch.cuda.max_memory_allocated()`` around ``trainer.fit``), so the tracer keeps the highest value the
     counter ever reached (before the first reset and at every moment) and, once the warm-up ends, raises the
-    counter back to it (:meth:`restore_peak`): one allocation of the missing bytes, freed at once. Blocks of
-    the caching allocator are rounded to 512 bytes (and a large block may be handed out whole), so the
-    restored peak is the true one or above it by less than one block; if the allocation fails the counter
-    stays lower and a debug message says so.
+    counter back to it (:meth:`restore_peak`) by allocating the missing bytes for an instant. It takes them only
+    from blocks the caching allocator already holds free (read once from ``torch.cuda.memory_snapshot()``, the
+    largest first, each request sized for one free large block, which the allocator's best fit then serves):
+    one tensor of the whole difference would ask the driver for a new segment that size (a ``cudaMalloc`` of
+    up to the peak, reserved memory raised by as much for the rest of the run, or an out-of-memory retry that
+    frees the cache and synchronises), all to restore a counter. Where the free blocks hold less than the
+    difference the counter stays lower by the rest, and a debug message says so.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -129,17 +140,54 @@ class CudaAllocatorStats:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def restore_peak(self, target: int) -> None:
-        """Raise the peak counter to ``target`` if it is lower (see [Note: peak counter])."""
-        if self.peak() >= target:
+        """Raise the peak counter towards ``target`` if it is lower (see [Note: peak counter])."""
+        missing = target - self.allocated()
+        if self.peak() >= target or missing <= 0:
             return
+        sizes = take_free_blocks(self.free_blocks(), missing)
+        if sum(sizes) < missing:
+            log.debug(
+                "PatrickStar: the CUDA peak counter is restored to %d of %d bytes (the rest is not held free)",
+                target - missing + sum(sizes),
+                target,
+            )
         try:
-            self._allocate_and_free(target - self.allocated())  # on top of what is allocated now
+            self._hold_and_free(sizes)
         except torch.OutOfMemoryError:
             log.debug("PatrickStar: the CUDA peak counter could not be restored to %d bytes", target)
 
-    def _allocate_and_free(self, nbytes: int) -> None:
-        block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        del block
+    def free_blocks(self) -> list[int]:
+        """Sizes of the blocks the caching allocator holds free on this device."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return [
+            int(block["size"])
+            for segment in torch.cuda.memory_snapshot()
+            if segment.get("device", index) == index and segment.get("segment_type") == "large"
+            for block in segment.get("blocks", ())
+            if block.get("state") == "inactive" and int(block["size"]) > SMALL_REQUEST_BYTES
+        ]
+
+    def _hold_and_free(self, sizes: list[int]) -> None:
+        held = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        del held
+
+
+SMALL_REQUEST_BYTES = 1 << 20
+"""Requests up to this size come from the caching allocator's small pool (``kSmallSize``), whose segments are 2 MiB:
+the restore counts only free blocks above it (a last request below it costs at most one such segment)."""
+
+
+def take_free_blocks(free: list[int], missing: int) -> list[int]:
+    """Requests, one per free large block (``free``: their sizes), largest first, that raise the allocated bytes
+    by ``missing``, or as close below as the blocks allow; the last is cut to what is still missing. See [Note:
+    peak counter]."""
+    taken: list[int] = []
+    for size in sorted(free, reverse=True):
+        if missing <= 0:
+            break
+        taken.append(min(size, missing))
+        missing -= taken[-1]
+    return taken
 
 
 class MemoryTracer:

@@ -7,7 +7,8 @@ the chunks it needs and the non-model memory measured then. Three decisions foll
 - with several ranks, whether the next chunk group is gathered ahead of use (two more groups must fit at the
   warm-up's peak on every rank), how many groups stay gathered from forward into backward, and at which sweep
   step each group's gradients are reduced: one collective, see :mod:`~lightning_pstar.runtime.sharding`;
-- under ``auto`` placement, which optimizer-state families step on the device (the margin at the step);
+- under ``auto`` placement, which optimizer-state families step on the device (the margin at the step), after
+  which the pinned blocks the moved families left idle are given back;
 - the yardstick ([Note: the yardstick] in :mod:`~lightning_pstar.runtime.yardstick`): the fewest bytes any
   placement could move per iteration with this trace and budget, bracketed, and the plan auto follows.
 """
@@ -23,6 +24,7 @@ from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding import Sharding
 from lightning_pstar.runtime.state import Tier
@@ -52,6 +54,9 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
         _check_trace_fits(tracer, needs, budget)
         if residency.hybrid_optimizer:  # placement.optimizer="auto": the families that fit go to the device
             residency.plan_hybrid_optimizer(tracer.trace.peak_non_model)
+        # the host blocks the families that came to the device left idle go back to the driver now, not at
+        # teardown: held in torch's cache they would count against the host budget for the whole run
+        host_arena().release()
     problem = None if sharding.distributed else placement_problem(tracer, residency, budget)
     residency.bounds = solve(problem) if problem is not None else None
     if problem is not None and residency.bounds is not None:

@@ -39,6 +39,7 @@ BAD: dict[str, list[Any]] = {
     "loss_scale": ["big", 5, [1]],
     "checkpoint": ["zip", None, 1, True],
     "host_malloc": ["fast", "CACHED", "", None, 1, True],
+    "hand_back_weights": ["no", 0, None],
 }
 BAD_LOSS_SCALE: dict[str, list[Any]] = {
     "initial_scale": [math.inf, math.nan, "big", 0, -1, None, True],
@@ -53,6 +54,8 @@ CONVERTED_FROM_MAPPING: dict[tuple[str, str], Any] = {
     ("chunks.cpu_embedding", "1"): True,
     ("mixed_precision.frozen_master", "'yes'"): True,
     ("mixed_precision.frozen_master", "1"): True,
+    ("hand_back_weights", "'no'"): False,
+    ("hand_back_weights", "0"): False,
     ("memory.device_fraction", "'0.5'"): 0.5,
     ("memory.host_fraction", "'0.5'"): 0.5,
     ("placement.static_chunk_fraction", "'0.5'"): 0.5,

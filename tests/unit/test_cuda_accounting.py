@@ -11,7 +11,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.planning.requirements import MemoryBudgetError, step_temporary_bytes
-from lightning_pstar.runtime.tracer import CudaAllocatorStats, MemoryTracer, MomentKind
+from lightning_pstar.runtime.tracer import (
+    CudaAllocatorStats,
+    MemoryTracer,
+    MomentKind,
+    take_free_blocks,
+)
+
+MIB = 1 << 20
 
 
 class _FakeAllocator(CudaAllocatorStats):
@@ -22,6 +29,8 @@ class _FakeAllocator(CudaAllocatorStats):
         self.now = 0
         self.high = 0
         self.resets = 0
+        self.free_list: list[int] = [8 * MIB]  # large blocks the caching allocator holds free
+        self.held: list[list[int]] = []  # the requests of each restore
 
     def allocate(self, nbytes: int) -> None:
         self.now += nbytes
@@ -40,9 +49,15 @@ class _FakeAllocator(CudaAllocatorStats):
         self.resets += 1
         self.high = self.now
 
-    def _allocate_and_free(self, nbytes: int) -> None:
-        self.allocate(nbytes)
-        self.free(nbytes)
+    def free_blocks(self) -> list[int]:
+        return list(self.free_list)
+
+    def _hold_and_free(self, sizes: list[int]) -> None:
+        self.held.append(list(sizes))
+        for n in sizes:
+            self.allocate(n)
+        for n in sizes:
+            self.free(n)
 
 
 class _Chunks:
@@ -162,16 +177,35 @@ def test_the_strategy_turns_an_out_of_memory_in_a_step_into_a_budget_error() -> 
 
 
 def test_restore_peak_reaches_the_users_peak_from_below_it() -> None:
-    """A user's peak of 5000 bytes, a reset that leaves the counter at 3000 with 1000 allocated: restoring
-    raises it to 5000 exactly (one allocation on top of what is allocated), and a higher counter stays."""
+    """A user's peak of 5 MiB, a reset that leaves the counter at 3 MiB with 1 MiB allocated: restoring raises it
+    to 5 MiB exactly (4 MiB on top of what is allocated, from a free block), and a higher counter stays."""
     fake = _FakeAllocator()
-    fake.allocate(5000)
-    fake.free(4000)  # allocated 1000, peak 5000: the user's reading
+    fake.allocate(5 * MIB)
+    fake.free(4 * MIB)  # allocated 1 MiB, peak 5 MiB: the user's reading
     fake.reset_peak()
-    fake.allocate(2000)
-    fake.free(2000)  # the warm-up's moments: peak 3000 since the reset
-    assert (fake.peak(), fake.allocated()) == (3000, 1000)
-    fake.restore_peak(5000)
-    assert (fake.peak(), fake.allocated()) == (5000, 1000)
-    fake.restore_peak(4000)
-    assert fake.peak() == 5000
+    fake.allocate(2 * MIB)
+    fake.free(2 * MIB)  # the warm-up's moments: peak 3 MiB since the reset
+    assert (fake.peak(), fake.allocated()) == (3 * MIB, 1 * MIB)
+    fake.restore_peak(5 * MIB)
+    assert (fake.peak(), fake.allocated()) == (5 * MIB, 1 * MIB)
+    assert fake.held == [[4 * MIB]]
+    fake.restore_peak(4 * MIB)
+    assert fake.peak() == 5 * MIB and len(fake.held) == 1
+
+
+def test_restore_peak_takes_only_blocks_held_free() -> None:
+    """Issue 29: the restore never asks for more than the allocator holds free (no new segment for a counter):
+    requests sized one per free block, the largest first; where the blocks hold less, the counter stays lower."""
+    fake = _FakeAllocator()
+    fake.allocate(20 * MIB)
+    fake.free(20 * MIB)
+    fake.reset_peak()
+    fake.free_list = [3 * MIB, 6 * MIB, 2 * MIB]
+    fake.restore_peak(20 * MIB)
+    assert fake.held == [[6 * MIB, 3 * MIB, 2 * MIB]] and fake.peak() == 11 * MIB
+
+
+def test_take_free_blocks_cuts_the_last_request_to_what_is_missing() -> None:
+    assert take_free_blocks([4 * MIB, 8 * MIB], 10 * MIB) == [8 * MIB, 2 * MIB]
+    assert take_free_blocks([8 * MIB], 3000) == [3000]
+    assert take_free_blocks([], 5) == [] and take_free_blocks([8 * MIB], 0) == []

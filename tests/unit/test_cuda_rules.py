@@ -4,6 +4,7 @@ allocate nothing until backed, the one-sync norm and finite check, and the modul
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 import torchmetrics
 from torch import nn
@@ -11,18 +12,33 @@ from torch import nn
 from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.optim import kernels
 from lightning_pstar.runtime.chunk import _backed, _unbacked
-from lightning_pstar.runtime.comm import ChunkComm, group_for
+from lightning_pstar.runtime.comm import ChunkComm, staging_device
 
 
-def test_host_tensors_take_the_cpu_group_device_tensors_the_main_one() -> None:
+def test_every_tensor_takes_the_runs_group_whatever_its_device() -> None:
+    """Issue 29: the group comes from the run (its device and backend), the same on every rank, never from one
+    tensor's device: a chunk on the host on one rank and on the device on another must meet in one collective."""
     main, cpu = object(), object()
-    assert group_for(torch.device("cpu"), main, cpu) is cpu
-    assert group_for(torch.device("cuda", 0), main, cpu) is main
-    assert group_for(torch.device("meta"), main, cpu) is main
-    assert group_for(torch.device("cpu"), main, None) is main  # a gloo world needs no second group
     comm = ChunkComm(rank=0, world_size=1, group=main, cpu_group=cpu)
-    assert comm.group_for(torch.zeros(1)) is cpu
+    assert comm.group_for(torch.zeros(1)) is main
     assert comm.group_for(torch.zeros(1, device="meta")) is main
+    cuda = torch.device("cuda", 0)
+    assert staging_device(cuda, "nccl") == cuda  # NCCL takes CUDA tensors only: a host tensor travels through it
+    assert staging_device(cuda, "gloo") is None
+    assert staging_device(torch.device("cpu"), "gloo") is None and staging_device(None, "nccl") is None
+
+
+def test_a_tensor_off_the_groups_device_is_staged_or_refused() -> None:
+    """A blocking collective runs on a copy where the group needs one (here none: a CPU run); an asynchronous one
+    refuses a tensor that is not where the run's collectives run, naming the rank and the devices."""
+    comm = ChunkComm(rank=0, world_size=1, device=torch.device("cpu"))
+    seen: list[torch.device] = []
+    value = torch.ones(2)
+    comm._in_place(value, lambda t: seen.append(t.device) or t.mul_(3))
+    assert seen == [torch.device("cpu")] and value.tolist() == [3.0, 3.0]
+    comm._staging[:] = [torch.device("cuda", 0)]  # as an NCCL run finds it
+    with pytest.raises(RuntimeError, match=r"rank 0 started a reduce-scatter on a tensor on cpu.*HINT"):
+        comm._check_placed(torch.zeros(1), "a reduce-scatter")
 
 
 def test_caching_allocator_buffers_start_empty_and_are_backed_in_place() -> None:

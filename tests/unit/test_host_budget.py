@@ -12,6 +12,7 @@ from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.runtime.manager import ChunkManager
 
 CAP = 96  # elements per chunk: every linear layer below fills one chunk
+TWICE = 2 * 3 * CAP * (2 + 4 + 8)  # a device budget of twice the model data: its quarter does not hold it
 
 
 def _mlp() -> nn.Module:
@@ -38,15 +39,15 @@ def _host_need() -> int:
 
 
 def test_optimizer_states_on_host_are_refused_at_setup_naming_host_memory_limit() -> None:
-    """placement='auto' with a device budget starts the fp32 masters and Adam states on the host, even though
-    the whole model would fit the device, and a step on the host leaves the param chunks there: a host budget one
-    byte short of all of it is refused by the constructor, which allocates nothing (the model's weights are
-    untouched, no chunk exists)."""
+    """placement='auto' with a device budget whose warm-up share (a quarter) does not hold the model data starts
+    the fp32 masters and Adam states on the host, even though the whole model would fit the device, and a step on
+    the host leaves the param chunks there: a host budget one byte short of all of it is refused by the
+    constructor, which allocates nothing (the model's weights are untouched, no chunk exists)."""
     model = _mlp()
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
     side, need = _side_bytes(), _host_need()
     with pytest.raises(MemoryBudgetError, match="host_memory_limit") as info:
-        _manager(model, host=need - 1)
+        _manager(model, host=need - 1, device=TWICE)
     message = str(info.value)
     assert f"leaves {need:,} bytes" in message
     assert f"optimizer states {side:,} bytes" in message and "starts on the host" in message
@@ -55,11 +56,19 @@ def test_optimizer_states_on_host_are_refused_at_setup_naming_host_memory_limit(
         ptr, value = before[name]
         assert param.data_ptr() == ptr and torch.equal(param.detach(), value)
     # exactly the need is accepted, and materialising then holds the side on the host within the budget
-    manager = _manager(model, host=need)
+    manager = _manager(model, host=need, device=TWICE)
     manager.materialise()
     manager.add_optimizer_chunks(["exp_avg", "exp_avg_sq"])  # type: ignore[list-item]
     assert manager.memory_report().host_chunk_bytes == side
     assert manager.residency.host_scratch_bytes == 4 * CAP
+
+
+def test_auto_starts_the_optimizer_side_on_the_device_when_the_warm_up_share_holds_all() -> None:
+    """Issue 29, item 2: model data within the warm-up's share of the budget starts (and steps) on the device,
+    so nothing of the optimizer is pinned or counted on the host: a host budget of one byte is enough."""
+    manager = _manager(_mlp(), host=1)  # 4,032 bytes of model data, a quarter of 10**6 for the warm-up
+    assert manager.residency.optimizer_tier.value == "device"
+    assert _manager(_mlp(), host=10**6, device=TWICE).residency.optimizer_tier.value == "host"
 
 
 def test_static_placement_keeps_the_optimizer_side_on_the_device_when_all_fits() -> None:

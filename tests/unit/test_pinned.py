@@ -119,8 +119,28 @@ def test_the_host_budget_counts_idle_pinned_blocks(monkeypatch: pytest.MonkeyPat
     config = PStarConfig.from_flat(chunk_size=32, placement="static", host_memory_limit=4096 + 1000)
     manager = ChunkManager(model, config=config, compute_dtype=torch.float32, device=torch.device("cpu"))
     manager.residency.check_host_room(4096)  # reuses the idle block: the budget holds 4096 + 0
+    assert arena.idle_bytes() == 4096
+    # a new 1 KiB block beside the idle 4 KiB one would pass the budget: the idle block goes back first (issue 29)
+    manager.residency.check_host_room(1024)
+    assert arena.idle_bytes() == 0 and arena.held_bytes == 0
     with pytest.raises(MemoryBudgetError, match="host budget exceeded"):
-        manager.residency.check_host_room(1024)  # a new 1 KiB block beside the idle 4 KiB one
+        manager.residency.check_host_room(8192)  # beyond the budget with nothing idle left
+
+
+def test_pinning_resumes_once_blocks_are_given_back() -> None:
+    """Issue 29: a fallback to pageable memory is decided per buffer, not for the rest of the process: once the
+    pinned buffers are gone and their blocks given back, a new buffer takes a block of the ledger again."""
+    arena = PinnedArena(pin=False, mem_total=8192, share=0.5)  # room for one 4 KiB block
+    first = _backed(arena, 1024)
+    second = _backed(arena, 1024)
+    assert arena.fallbacks == 1 and arena._entry(first) is not None and arena._entry(second) is None
+    assert arena.added_bytes(4096) == 4096  # a new buffer would be pageable now
+    arena.free(first)
+    del first
+    arena.release()
+    assert arena.reserved_bytes() == 0 and arena.added_bytes(4096) == 4096  # pinned again: a whole new block
+    third = _backed(arena, 1024)
+    assert arena._entry(third) is not None and arena.held_bytes == 4096 and arena.fallbacks == 1
 
 
 def test_cuda_layouts_use_power_of_two_chunks() -> None:
