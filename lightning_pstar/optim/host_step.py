@@ -101,12 +101,17 @@ def host_job(
         if mixed:
             torch._foreach_copy_(plan.slots(host), masters)
 
-    def finish() -> None:
-        copies.wait_back()
-        residency.unstage(family)
-        if mixed:
-            for record in family.records:
+    def finish(copied_back: bool) -> None:
+        if copied_back:
+            copies.wait_back()
+            residency.unstage(family)
+        else:  # the new weights stay in the host buffer: the param chunk lives there now
+            residency.unstage_to_host(family)
+        for record in family.records:
+            if mixed:
                 manager.slot_holds_weight(record)  # the parameter points at the new weight again
+            else:
+                residency.point_at_chunk(record)
 
     return HostJob(
         family_id=family.family_id,

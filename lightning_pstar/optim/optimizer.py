@@ -310,6 +310,8 @@ class ChunkedOptimizer(Optimizer):
             return False
         if not any(manager.residency.optimizer_tier_of(f) is Tier.HOST for f in self._families):
             return False
+        if manager.residency.device_budget is not None:
+            return False  # a budgeted backward may need the room the stepping families hold (evictions, recompute)
         manager.pipeline.hold_copies_back()
         manager.grads.on_final = self._start_in_backward
         return True

@@ -419,6 +419,21 @@ class Chunk:
         assert self._host_copy, f"chunk {self.chunk_id} has no staged host copy"
         self._host_copy_version = self._device_buffer._version
 
+    def settle_on_host(self) -> None:
+        """Make the staged HOST buffer the chunk's bytes and free the device storage (a host-side step whose copy
+        back did not run: the host buffer holds the newer bytes). Counted as a move off the device that copied
+        nothing (the step's own copy was counted by the step)."""
+        assert self._tier is _DEVICE and self._host_copy, f"chunk {self.chunk_id} has no staged host copy"
+        self._device_buffer.untyped_storage().resize_(0)  # blocks are stream-ordered: see [Note: streams]
+        self._host_copy = False
+        self._host_read = None
+        self._stats.host_copy_bytes -= self.nbytes
+        self._stats.freed(Tier.DEVICE, self.nbytes)
+        self._stats.allocated(Tier.HOST, self.nbytes)
+        self._stats.moves_off_device += 1
+        self._stats.clean_moves += 1
+        self._set_tier(Tier.HOST)
+
     def _copy_on_stream(self, source: torch.Tensor, target: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Rules 1-3 of [Note: streams]: wait for compute, copy, record the event; an eviction frees its
         device source at once under ``record_stream``."""

@@ -565,15 +565,13 @@ class ChunkManager:
             self.tailing = False
 
     def _finish_steps_for_room(self) -> None:
-        """The device budget needs room that param chunks of families still stepping hold: finish their steps
-        (after the backward), or refuse (inside it: their copies back must wait for the backward's end)."""
+        """The device budget needs room that param chunks of families still stepping hold: finish their steps.
+        Inside a backward their copies back must wait for its end, so the steps finish without them and the param
+        chunks stay on the host with the new weights (what a serial step on the host leaves): the device bytes
+        autograd may still read are never written ([Note: the step pipeline] in runtime/pipeline.py)."""
         if not self.pipeline.copies_back_open:
-            raise MemoryBudgetError(
-                "the device budget needs room that param chunks of families stepping during the backward hold"
-                f" (families {sorted(self.residency.stepping)}, optimizer_overlap="
-                f"'{self.config.placement.optimizer_overlap.value}'). HINT: raise device_memory_limit, or set"
-                " optimizer_overlap='off'."
-            )
+            self.pipeline.settle_off_device(sorted(self.residency.stepping))
+            return
         self.finish_steps()
 
     def wait_for_families(self, records: Sequence[ParamRecord]) -> None:

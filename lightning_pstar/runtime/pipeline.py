@@ -82,10 +82,11 @@ class HostJob:
     d2h: Callable[[], None]
     adam: Callable[[torch.Tensor], None]  # given the Adam stage's fp32 scratch buffer
     h2d: Callable[[], None]
-    finish: Callable[[], None]
+    finish: Callable[[bool], None]  # given whether the H2D stage ran (see ``StepPipeline.settle_off_device``)
     scratch_numel: int  # elements of fp32 scratch the Adam stage needs
     before: list[Callable[[], None]] = field(default_factory=list)  # bookkeeping before ``finish`` (calling thread)
     after: list[Callable[[], None]] = field(default_factory=list)  # ... and after it
+    skip_back: bool = False  # the H2D stage does not run: the family's param chunk goes to the host instead
     _done: Future[None] | None = field(default=None, repr=False)
     _h2d_gate: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -164,6 +165,18 @@ class StepPipeline:
         job._h2d_gate.set()  # a reader needs it now
         self._finish(job)
 
+    def settle_off_device(self, family_ids: list[int]) -> None:
+        """Finish the jobs of ``family_ids`` without their H2D stage (a backward still holds it back, and the device
+        needs their room): their families' updated parameters stay in the host buffers, where the job's finish
+        leaves the param chunks, as a serial step on the host would."""
+        for fid in family_ids:
+            job = self._jobs.get(fid)
+            if job is None:
+                continue
+            job.skip_back = True
+            job._h2d_gate.set()
+            self._finish(job)
+
     def drain(self, *, only: set[int] | None = None) -> None:
         """Finish every job in flight (``only``: of these families), in submission order; raise the first error once
         all have stopped."""
@@ -200,7 +213,7 @@ class StepPipeline:
             del self._jobs[job.family_id]
         for first in job.before:
             first()
-        job.finish()
+        job.finish(not job.skip_back)
         for more in job.after:
             more()
         self.times.jobs += 1
@@ -232,4 +245,5 @@ class StepPipeline:
     def _after_gate(self, previous: Future[None], job: HostJob) -> None:
         previous.result()
         job._h2d_gate.wait()
-        self._timed("h2d", job.h2d)
+        if not job.skip_back:
+            self._timed("h2d", job.h2d)

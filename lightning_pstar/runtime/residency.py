@@ -257,6 +257,13 @@ class Residency:
         self.stats.moved_bytes += chunk.nbytes
         self._param_versions[family.family_id] = tuple(r.param._version for r in family.records)
 
+    def unstage_to_host(self, family: ChunkFamily) -> None:
+        """The host-side step of ``family`` is done but its copy back did not run: the host buffer holds the new
+        bytes, and the param chunk now lives there (its device storage is freed, as after a serial host step)."""
+        self.stepping.discard(family.family_id)
+        family.param_chunk.settle_on_host()
+        self._param_versions.pop(family.family_id, None)
+
     # ---- iterations --------------------------------------------------------------------------------------
     def note_step(self) -> None:
         self._stepped_since_mark = True
