@@ -380,7 +380,7 @@ class Residency:
                     self.point_at_chunk(record)
             margin -= nbytes
             moved += 1
-        log.info("PatrickStar: %d of %d optimizer-state families run on the device", moved, len(self.families))
+        log.debug("PatrickStar: %d of %d optimizer-state families run on the device", moved, len(self.families))
 
     @staticmethod
     def optimizer_tier_of(family: ChunkFamily) -> Tier:
