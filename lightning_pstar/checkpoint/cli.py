@@ -43,8 +43,7 @@ def _describe_file(path: Path) -> str:
     return f"a torch file holding a {type(loaded).__name__}, not a checkpoint"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the consolidate command; a checkpoint that cannot be used exits with status 2 and the reason."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_pstar.consolidate",
         description="Turn a PatrickStar sharded checkpoint directory into one consolidated checkpoint file"
@@ -53,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("directory", help="the sharded checkpoint directory")
     parser.add_argument("output", help="the .ckpt file to write")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the consolidate command; a checkpoint that cannot be used exits with status 2 and the reason."""
+    parser = _parser()
     args = parser.parse_args(argv)
     problem = _not_a_directory(Path(args.directory))
     if problem is not None:
