@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from lightning_pstar import PatrickStarFabricStrategy  # importing the package registers "patrickstar" with Fabric
 from lightning_pstar.demos import GPT, GPTConfig, StdlibCharDataModule
 from lightning_pstar.demos.module import WarmupCosineSchedule, param_groups
+from lightning_pstar.demos.output import first_process, rank_reports
 from lightning_pstar.demos.strategies import build_strategy as build_any_strategy
 from lightning_pstar.hardware import choose_precision
 
@@ -117,12 +118,9 @@ def train(fabric: Fabric, cfg: DictConfig, output_dir: Path) -> None:
         path = output_dir / "checkpoints" / "last.ckpt"
         fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": int(cfg.steps)})
         fabric.print(f"checkpoint: {path}")
-    report = getattr(fabric.strategy, "memory_report_all", None)
-    if callable(report):
-        reports = report()  # a collective: every rank
-        fabric.print(reports[0])
-        if fabric.world_size > 1:
-            fabric.print(fabric.strategy.format_rank_summary(reports))  # type: ignore[attr-defined]
+    report = rank_reports(fabric.strategy)  # a collective: every rank
+    if report is not None:
+        fabric.print(report)
 
 
 @hydra.main(config_path="../configs", config_name="fabric_gpt", version_base="1.3")
@@ -133,7 +131,8 @@ def main(cfg: DictConfig) -> None:
         os.environ["OMP_NUM_THREADS"] = str(int(cfg.threads))
         torch.set_num_threads(int(cfg.threads))
     precision = choose_precision(cfg.fabric.get("precision", "auto"), cfg.fabric.get("accelerator", "auto"))
-    print(precision)
+    if first_process():  # every rank runs this script: one of them prints
+        print(precision)
     fabric_args: dict[str, Any] = OmegaConf.to_container(cfg.fabric, resolve=True)  # type: ignore[assignment]
     fabric = Fabric(**{**fabric_args, "precision": precision.precision}, strategy=strategy)
     fabric.launch()

@@ -32,9 +32,9 @@ from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
-from lightning_pstar import MemoryReport
 from lightning_pstar.checkpoint import consolidate
 from lightning_pstar.demos import GPTLightningModule, StdlibCharDataModule, decode, encode
+from lightning_pstar.demos.output import first_process, rank_reports
 from lightning_pstar.demos.strategies import build_strategy as build_any_strategy
 from lightning_pstar.hardware import choose_precision
 
@@ -94,11 +94,13 @@ def main(cfg: DictConfig) -> None:
     """Train, validate, then print the memory report, a sample and where the checkpoints are."""
     start = time.perf_counter()
     output_dir = Path(HydraConfig.get().runtime.output_dir)
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
+    if first_process():  # every rank runs this script: one of them prints
+        log.info("config:\n%s", OmegaConf.to_yaml(cfg))
     # Build the strategy first: a bad option should fail before the corpus is read.
     strategy = build_strategy(cfg.strategy)
     precision = choose_precision(cfg.trainer.get("precision", "auto"), cfg.trainer.get("accelerator", "auto"))
-    print(precision)
+    if first_process():
+        print(precision)
 
     L.seed_everything(cfg.seed, workers=True)
     if cfg.get("threads"):
@@ -136,18 +138,19 @@ def main(cfg: DictConfig) -> None:
         default_root_dir=output_dir,
     )
     trainer.fit(module, datamodule=datamodule)
-    # Read the report before validate(): a validation run sets the strategy up again without optimizer
+    # Read the reports before validate(): a validation run sets the strategy up again without optimizer
     # states, and the report describes the strategy's current setup.
-    memory_report = getattr(trainer.strategy, "memory_report", None)
-    report = memory_report() if callable(memory_report) else None
+    report = rank_reports(trainer.strategy)
     (final,) = trainer.validate(module, datamodule=datamodule)
+    if not trainer.is_global_zero:
+        return  # rank 0 prints the run's summary, with a line per rank
     print_summary(losses, final, report)
     print_checkpoints(checkpoint, checkpoint_format(strategy), output_dir)
     print(f"run directory: {output_dir} ({time.perf_counter() - start:.1f} s)")
 
 
-def print_summary(losses: LossSummary, final: dict[str, float], report: MemoryReport | None) -> None:
-    """The first and last training loss, the final validation loss and perplexity, the memory report."""
+def print_summary(losses: LossSummary, final: dict[str, float], report: str | None) -> None:
+    """The first and last training loss, the final validation loss and perplexity, the memory report(s)."""
     if losses.first is not None and losses.last is not None:
         (first_step, first_loss), (last_step, last_loss) = losses.first, losses.last
         print(f"train_loss: {first_loss:.4f} (step {first_step}) -> {last_loss:.4f} (step {last_step})")

@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_pstar.demos import StdlibCharDataModule
 from lightning_pstar.demos.module import WarmupCosineSchedule, param_groups
+from lightning_pstar.demos.output import first_process, rank_reports
 from lightning_pstar.demos.strategies import build_strategy as build_any_strategy
 from lightning_pstar.hardware import choose_precision
 
@@ -175,7 +176,8 @@ def main(cfg: DictConfig) -> None:
     """Train, then print the memory report and where the checkpoints are."""
     start = time.perf_counter()
     output_dir = Path(HydraConfig.get().runtime.output_dir)
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
+    if first_process():  # every rank runs this script: one of them prints
+        log.info("config:\n%s", OmegaConf.to_yaml(cfg))
     if "model_type" not in cfg.model:
         raise ValueError(
             "`model` is not a Hugging Face model config (no `model_type`). HINT: use model=hf_gpt2 or model=hf_llama,"
@@ -183,7 +185,8 @@ def main(cfg: DictConfig) -> None:
         )
     strategy = build_strategy(cfg.strategy)  # a bad option fails before the corpus is read
     precision = choose_precision(cfg.trainer.get("precision", "auto"), cfg.trainer.get("accelerator", "auto"))
-    print(precision)
+    if first_process():
+        print(precision)
 
     L.seed_everything(cfg.seed, workers=True)
     if cfg.get("threads"):
@@ -213,9 +216,9 @@ def main(cfg: DictConfig) -> None:
         default_root_dir=output_dir,
     )
     trainer.fit(module, datamodule=datamodule)
-    memory_report = getattr(trainer.strategy, "memory_report", None)
-    report = memory_report() if callable(memory_report) else None
-
+    report = rank_reports(trainer.strategy)
+    if not trainer.is_global_zero:
+        return  # rank 0 prints the run's summary, with a line per rank
     if losses.first is not None and losses.last is not None:
         (first_step, first_loss), (last_step, last_loss) = losses.first, losses.last
         print(f"train_loss: {first_loss:.4f} (step {first_step}) -> {last_loss:.4f} (step {last_step})")

@@ -195,6 +195,15 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         )
         self._backward_sync_control = _ChunkBackwardSync(self)
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:  # type: ignore[override]
+        # one rank sees the batches `strategy="auto"` sees ([Note: one rank, auto's batches] in strategy.py):
+        # Fabric injects a DistributedSampler only where this is not None
+        if self.num_nodes * self.num_processes == 1:
+            return None
+        return super().distributed_sampler_kwargs
+
     @classmethod
     def from_config(cls, options: Mapping[str, Any] | PStarConfig, **fabric_args: Any) -> PatrickStarFabricStrategy:
         """Build the strategy from a dict or OmegaConf node with the nested keys of

@@ -85,7 +85,7 @@ def keep_freed_host_memory(environ: Mapping[str, str] | None = None) -> bool:
         return _applied
     reason = _left_to_the_user(os.environ if environ is None else environ)
     if reason is not None:
-        log.info("PatrickStar: host malloc left as it is (%s).", reason)
+        log.debug("PatrickStar: host malloc left as it is (%s).", reason)
         _applied = False
         return False
     mallopt = _mallopt()
@@ -102,7 +102,7 @@ def keep_freed_host_memory(environ: Mapping[str, str] | None = None) -> bool:
     mmap_set = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BELOW_BYTES))
     _applied = mmap_set and bool(mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE_BYTES))
     if _applied:
-        log.info(
+        log.debug(
             "PatrickStar: glibc keeps freed host memory for this process (no mmap below 32 MiB, no trim below 1 GiB"
             " free), as CUDA's caching allocator keeps device memory; memory.host_malloc='system' leaves it as is."
         )

@@ -37,6 +37,8 @@ class MemoryReport:
     num_params: int  # unique parameter elements
     num_chunks: int  # chunk families
     chunk_size: int  # elements
+    larger_chunks: int = 0  # chunk families with a larger capacity (a parameter larger than chunk_size, its group)
+    largest_chunk: int = 0  # elements of the largest chunk capacity (chunk_size when none is larger)
     chunk_utilisation: float  # parameter elements / param-chunk capacity
     model_data_bytes: int  # every chunk allocated, all tiers
     model_data_bytes_per_param: float  # slot bytes per parameter element, padding excluded (see the property below)
@@ -99,6 +101,17 @@ class MemoryReport:
         low, high = format_bytes(self.optimal_bytes_lower_bound), format_bytes(self.optimal_bytes_upper_bound)
         return f"between {low} and {high}"
 
+    def _chunks_line(self) -> str:
+        """The chunk line: ``8 x 4,096 elements``, or ``10: 8 of 4,096 elements, 2 larger (up to 65,536)`` where
+        parameters larger than the chunk size got chunks of their own."""
+        if self.larger_chunks == 0:
+            return f"{self.num_chunks} x {self.chunk_size:,} elements"
+        regular = self.num_chunks - self.larger_chunks
+        return (
+            f"{self.num_chunks}: {regular} of {self.chunk_size:,} elements,"
+            f" {self.larger_chunks} larger (up to {self.largest_chunk:,})"
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -113,7 +126,7 @@ class MemoryReport:
         rows = [
             ("precision", self.precision),
             ("parameters", f"{self.num_params:,}"),
-            ("chunks (families)", f"{self.num_chunks} x {self.chunk_size:,} elements"),
+            ("chunks (families)", self._chunks_line()),
             ("chunk utilisation", f"{self.chunk_utilisation:.1%}"),
             ("model data", fmt(self.model_data_bytes)),
             ("model data / param", per_param),

@@ -18,7 +18,9 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +103,8 @@ def write_sharded(
         data = path.with_name(
             _from_rank0(rank, lambda: _new_data_directory(path, needed), "start the sharded checkpoint")
         )
-        dcp.save(tensors, storage_writer=FileSystemWriter(data))
+        with _single_process_is_intended():
+            dcp.save(tensors, storage_writer=FileSystemWriter(data))
         mine = file_checksums(data, sorted(p.name for p in data.glob(f"__{rank}_*.distcp")))
         if rank == 0:
             mine.update(file_checksums(data, [".metadata"]))
@@ -296,8 +299,19 @@ def read_sharded_tensors(path: Path, wanted: Mapping[str, torch.Size]) -> dict[s
     """Read the tensors named by ``wanted`` (each rank asks only for what it owns)."""
     out = {key: torch.empty(shape, dtype=torch.float32) for key, shape in wanted.items()}
     if out:
-        dcp.load(out, storage_reader=FileSystemReader(path), no_dist=True)
+        with _single_process_is_intended():
+            dcp.load(out, storage_reader=FileSystemReader(path), no_dist=True)
     return out
+
+
+@contextmanager
+def _single_process_is_intended() -> Generator[None, None, None]:
+    """Silence torch's "torch.distributed is disabled ... assuming the intent is to save/load in a single process"
+    around this module's own ``dcp`` calls: a one-process save and every rank's own read (``no_dist=True``) are
+    single-process by design, and the warning gives the user nothing to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def consolidate(directory: str | os.PathLike[str], output: str | os.PathLike[str]) -> None:

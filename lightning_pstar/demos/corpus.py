@@ -18,6 +18,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_pstar.demos.output import first_process
+
 __all__ = [
     "UNKNOWN",
     "VOCAB",
@@ -161,7 +163,9 @@ class StdlibCharDataModule(L.LightningDataModule):
             return
         data = encode(stdlib_text(self.max_chars))
         n_val = int(data.numel() * self.val_fraction)
-        log.info("stdlib corpus: %d characters (%d train, %d validation)", data.numel(), data.numel() - n_val, n_val)
+        if first_process():  # every rank reads the same corpus: one says so
+            n_train = data.numel() - n_val
+            log.info("stdlib corpus: %d characters (%d train, %d validation)", data.numel(), n_train, n_val)
         self.train_set = CharDataset(data[: data.numel() - n_val], self.block_size)
         self.val_set = CharDataset(data[data.numel() - n_val :], self.block_size)
 

@@ -240,7 +240,8 @@ class ChunkManager:
         summary = (len(self._named), self.layout.payload_elements, self.layout.chunk_size, len(self.families))
         self._materialiser().run(self.host_params, summary, detail)
         self._materialised = True
-        log.info(
+        log.log(
+            logging.INFO if self.rank == 0 else logging.DEBUG,  # the ranks agree (checked above): one says it
             "PatrickStar: %d parameters in %d chunk families of %d elements (utilisation %.1f%%)",
             self.layout.payload_elements,
             len(self.families),

@@ -62,6 +62,8 @@ def build_report(
         num_params=layout.payload_elements,
         num_chunks=len(table.families),
         chunk_size=layout.chunk_size,
+        larger_chunks=sum(1 for c in layout.chunks if c.capacity > layout.chunk_size),
+        largest_chunk=max((c.capacity for c in layout.chunks), default=layout.chunk_size),
         chunk_utilisation=layout.utilisation,
         model_data_bytes=allocated,
         model_data_bytes_per_param=payload_bytes / max(1, layout.payload_elements),

@@ -453,7 +453,7 @@ class Residency:
             if tier is Tier.DEVICE:
                 margin -= nbytes
                 on_device += 1
-        log.info("PatrickStar: %d of %d optimizer-state families run on the device", on_device, len(self.families))
+        log.debug("PatrickStar: %d of %d optimizer-state families run on the device", on_device, len(self.families))
 
     @staticmethod
     def optimizer_tier_of(family: ChunkFamily) -> Tier:

@@ -62,7 +62,12 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
     if problem is not None and residency.bounds is not None:
         plan = residency.bounds.keep
         residency.policy.adopt_plan({t: plan[p] for t, p in problem.moment_point.items()})
-    log.info("PatrickStar: the yardstick (bytes per iteration): %s", residency.bounds)
+    if residency.bounds is not None:  # a diagnostic: the report carries the figures (optimal_bytes_*)
+        log.debug(
+            "PatrickStar: the fewest bytes any placement moves per iteration: %s .. %s",
+            format_bytes(residency.bounds.lower),
+            format_bytes(residency.bounds.upper),
+        )
 
 
 def _plan_gathers(
@@ -96,7 +101,7 @@ def _plan_gathers(
         room = limit - own - side - (2 if fits else 1) * group
         keep = max(0, room // group)
     enabled = sharding.plan(fits, keep)
-    log.info(
+    log.debug(
         "PatrickStar: chunk groups are %sgathered ahead of use; %d of %d stay gathered from forward into backward",
         "" if enabled else "not ",
         len(sharding.keep),

@@ -72,6 +72,18 @@ def test_tiny_run_with_sharded_checkpoints_samples_from_the_consolidated_file(tm
 
 
 @pytest.mark.slow
+def test_two_ranks_print_once_with_a_line_per_rank(tmp_path: Path) -> None:
+    """Issue 30: every rank runs the script, rank 0 alone prints the config, the summary, the report (once) and
+    the per-rank table."""
+    proc = run_example(tmp_path / "run", "trainer.devices=2", "trainer.accelerator=cpu")
+    assert proc.returncode == 0, _explain(proc)
+    out = proc.stdout + proc.stderr
+    for once in ("config:", "PatrickStar memory report", "train_loss:", "final val_loss:", "run directory:"):
+        assert out.count(once) == 1, f"{once!r} printed {out.count(once)} times\n{_explain(proc)}"
+    assert "per rank:" in proc.stdout and "total model data over 2 ranks" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
 def test_tiny_run_with_plain_lightning(tmp_path: Path) -> None:
     proc = run_example(tmp_path / "run", "strategy=auto")
     assert proc.returncode == 0, _explain(proc)

@@ -79,7 +79,7 @@ def test_malloc_the_user_chose_is_left_alone(
 ) -> None:
     mallopt = _Mallopt()
     monkeypatch.setattr(host_malloc, "_mallopt", lambda: mallopt)
-    with caplog.at_level(logging.INFO, logger="lightning_pstar.host_malloc"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_pstar.host_malloc"):
         assert not host_malloc.keep_freed_host_memory(environ)
     assert mallopt.calls == [] and reason in caplog.text and not host_malloc.applied()
 

@@ -124,3 +124,26 @@ def test_unknown_traffic_per_iteration_reads_unknown_not_unlimited() -> None:
     assert "unknown" in line and "unlimited" not in line
     (line,) = [line for line in str(make_report(moved_bytes_per_iteration=2048)).splitlines() if "moved /" in line]
     assert "2.00 KiB" in line
+
+
+def test_chunk_line_counts_the_larger_chunks(tmp_path: Path) -> None:
+    """Issue 30: a parameter larger than ``chunk_size`` gets a chunk of its own, and the line says so."""
+    assert make_report().__str__().count("2 x 600 elements") == 1
+    strategy = PatrickStarStrategy(chunk_size=16)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2))
+    report = strategy.memory_report()  # Linear(8, 8): the 64-element weight > 16, the 8-element bias fits
+    assert (report.num_chunks, report.chunk_size, report.larger_chunks) == (2, 16, 1)
+    assert report.largest_chunk >= 64
+    (line,) = [line for line in str(report).splitlines() if "chunks (families)" in line]
+    assert line.endswith(f"2: 1 of 16 elements, 1 larger (up to {report.largest_chunk:,})")
