@@ -6,12 +6,18 @@ The fp32 masters and optimizer states of the chunk families that do not fit host
 The optimizer step reads them, steps them and writes them back; with the disk at 1-3 GB/s that step is bound by
 the disk unless its three stages overlap, so :class:`DiskStore` is built to be one stage of a pipeline:
 
-    futures = {0: store.read("f0.master", host[0].master), ...}     # read family k+1 ...
-    for k in families:
-        store.read(f"f{k+1}.master", host[k + 1].master)             #   ... while
-        futures[k].result(); adam(k)                                 #   Adam runs on family k ...
-        store.write(f"f{k}.master", host[k].master)                  #   ... and family k-1's are written back
-    store.wait()                                                     # all writes on disk before anything reads
+    done = store.read("f0.master", buf[0])                         # buf: 3 host buffers, rotating
+    written = [None, None, None]
+    for k in range(n):
+        nxt = None
+        if k + 1 < n:                                                 # read family k+1 ...
+            if written[(k + 1) % 3] is not None:
+                written[(k + 1) % 3].result()                         #   (its buffer's last write is out)
+            nxt = store.read(f"f{k + 1}.master", buf[(k + 1) % 3])
+        done.result(); adam(buf[k % 3])                               # ... while Adam runs on family k ...
+        written[k % 3] = store.write(f"f{k}.master", buf[k % 3])      # ... and k-1's write-back still runs
+        done = nxt
+    store.wait()                                                      # every write on disk
 
 - ``write(key, tensor)`` and ``read(key, out)`` return a ``concurrent.futures.Future`` at once; its ``result()``
   is None or raises the transfer's :class:`DiskIOError`. The caller must not change ``tensor`` until its write is
@@ -159,6 +165,7 @@ class DiskStore:
         self._arena = AlignedArena(block_bytes, threads, pin=torch.device(device).type == "cuda")
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pstar-disk")
         self._files: dict[str, _KeyFile] = {}
+        self._open_lock = threading.Lock()  # callers on several threads may create keys at once
         self._last: dict[str, Future[None]] = {}  # the last operation issued per key (the per-key order)
         self._pending: set[Future[None]] = set()
         self._lock = threading.Lock()
@@ -286,6 +293,10 @@ class DiskStore:
             )
 
     def _open(self, key: str, numel: int, dtype: torch.dtype) -> _KeyFile:
+        with self._open_lock:
+            return self._open_locked(key, numel, dtype)
+
+    def _open_locked(self, key: str, numel: int, dtype: torch.dtype) -> _KeyFile:
         kf = self._files.get(key)
         if kf is not None:
             if (kf.numel, kf.dtype) != (numel, dtype):
@@ -305,7 +316,7 @@ class DiskStore:
         path = self.directory.file_path(key)
         fd, direct = self._open_fd(path)
         try:
-            os.posix_fallocate(fd, 0, size)
+            _allocate(fd, size)
         except OSError as err:
             os.close(fd)
             os.unlink(path)
@@ -426,6 +437,18 @@ class DiskStore:
             if staged:
                 self._arena.release(index)
             self._meter.end(kind, min(done, length))
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Give the file ``size`` bytes of disk blocks now (a full disk fails here, at the key's creation)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        # no fallocate on this filesystem (glibc's emulation writes through the O_DIRECT descriptor and fails):
+        # a sparse file of the size; its blocks are allocated by the first write
+        os.ftruncate(fd, size)
 
 
 def _copy_outcome(source: Future[None], target: Future[None]) -> None:

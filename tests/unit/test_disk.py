@@ -17,6 +17,7 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,45 @@ def test_write_then_read_of_one_key_keeps_the_issue_order(store: DiskStore) -> N
         f.result()
     for value, out in zip(values, outs, strict=True):
         assert _same_bits(value, out)
+
+
+def test_the_step_pipeline_of_the_note_gives_the_serial_result(tmp_path: Path) -> None:
+    """[Note: disk tier]'s pattern: read family k+1 while family k steps and k-1 is written back, on 3 buffers."""
+    n, numel = 7, 40_000 + 3
+    families = [torch.randn(numel) for _ in range(n)]
+    expected = [f * 0.5 + 1 for f in families]  # the "optimizer step", in place on the family's buffer
+    with DiskStore(tmp_path, threads=3, block_bytes=SMALL_BLOCK) as store:
+        for k, f in enumerate(families):
+            store.write(f"f{k}.master", f)
+        store.wait()
+        buf = [aligned_empty(numel * 4).view(torch.float32) for _ in range(3)]
+        written: list[Future[None] | None] = [None, None, None]
+        done: Future[None] | None = store.read("f0.master", buf[0])
+        for k in range(n):
+            nxt = None
+            if k + 1 < n:
+                previous = written[(k + 1) % 3]
+                if previous is not None:
+                    previous.result()
+                nxt = store.read(f"f{k + 1}.master", buf[(k + 1) % 3])
+            assert done is not None
+            done.result()
+            buf[k % 3].mul_(0.5).add_(1)
+            written[k % 3] = store.write(f"f{k}.master", buf[k % 3])
+            done = nxt
+        store.wait()
+        for k in range(n):
+            assert _same_bits(store.read_sync(f"f{k}.master", torch.empty(numel)), expected[k]), k
+
+
+def test_a_filesystem_without_fallocate_gets_sparse_files(store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    src = torch.randn(12_345)
+    store.write_sync("sparse", src)
+    assert _same_bits(store.read_sync("sparse", torch.empty(12_345)), src)
 
 
 def test_stats_count_bytes_and_reset_per_iteration(store: DiskStore) -> None:
