@@ -171,6 +171,8 @@ class DiskStore:
         self._lock = threading.Lock()
         self._meter = DiskMeter()
         self._said_buffered = False
+        self.direct: bool | None = None
+        """Whether the store's files use ``O_DIRECT`` (False: the buffered fallback); None before the first file."""
         self._closed = False
 
     # ---- the API -------------------------------------------------------------------------------------------
@@ -322,6 +324,7 @@ class DiskStore:
             os.unlink(path)
             raise _io_error(err, path=path, op="allocate", nbytes=size, offset=0, done=0) from None
         kf = _KeyFile(path=path, fd=fd, direct=direct, numel=numel, dtype=dtype, nbytes=nbytes)
+        self.direct = direct if self.direct is None else self.direct and direct
         self._files[key] = kf
         return kf
 
