@@ -185,6 +185,12 @@ class DiskStore:
         """Bytes of the store's files (each key's bytes rounded up to 4096)."""
         return sum(align_up(f.nbytes) for f in self._files.values())
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging arena (``threads * block_bytes`` plus one alignment), held for the store's life:
+        count them in the host budget."""
+        return self._arena.nbytes + ALIGNMENT
+
     def keys(self) -> list[str]:
         """The keys written or reserved so far."""
         return list(self._files)

@@ -7,9 +7,10 @@ The kernel drops a flock when its holder dies, however it dies (SIGKILL, OOM kil
 means "no live process owns this directory".
 
 - Creation is atomic: the directory is made under a hidden temporary name, its lock taken, and only then renamed
-  to its final name; a visible run directory therefore always has a held lock while its run lives. A rename onto
-  a final name that exists fails (the directory holds its lock file), so two runs cannot share one directory
-  even when both ask for the same ``run_name``.
+  to its final name; a visible run directory therefore always has a held lock while its run lives (one left
+  under its temporary name by a run killed in that instant is cleaned once it is ``TMP_GRACE_S`` old). A rename
+  onto a final name that exists fails (the directory holds its lock file), so two runs cannot share one
+  directory even when both ask for the same ``run_name``.
 - At start, every directory of this naming whose lock can be taken (or that has no lock file) belongs to a dead
   run: it is named in a log line and its files of the store's own naming are removed, then the directory. A
   file the disk tier did not create is never touched: a directory holding one is left with it, and the log line
@@ -26,6 +27,7 @@ import logging
 import os
 import re
 import secrets
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -40,6 +42,10 @@ LOCK_NAME = "run.lock"
 DATA_SUFFIX = ".pstar"
 """Suffix of the data files the disk tier creates (``<key>.pstar``)."""
 
+TMP_GRACE_S = 600.0
+"""Age below which a run directory still under its temporary name is never cleaned: between creating its lock file
+and locking it, a starting run's lock looks free."""
+
 _NAME = r"[A-Za-z0-9_-]+"
 _RUN_DIR = re.compile(rf"^{re.escape(RUN_PREFIX)}{_NAME}$")
 _TMP_DIR = re.compile(rf"^\.{re.escape(RUN_PREFIX)}{_NAME}\.[0-9a-f]+\.tmp$")
@@ -52,7 +58,7 @@ class RunDirectoryInUseError(RuntimeError):
 
 @dataclass
 class _Held:
-    """What the finalizer of a run directory removes: shared with the :class:`RunDirectory`, never with self."""
+    """What a run directory's finalizer removes (the finalizer must not hold the :class:`RunDirectory` itself)."""
 
     path: str
     lock_fd: int
@@ -72,15 +78,16 @@ def _remove(held: _Held) -> None:
             pass
     held.files.clear()
     try:
-        os.unlink(os.path.join(held.path, LOCK_NAME))
-        os.rmdir(held.path)
-    except FileNotFoundError:
-        pass
-    except OSError as err:
-        left = sorted(os.listdir(held.path)) if os.path.isdir(held.path) else []
-        log.warning(
-            "Left the disk-tier directory %s (%s): it holds files the run did not create: %s", held.path, err, left
-        )
+        try:
+            os.unlink(os.path.join(held.path, LOCK_NAME))
+            os.rmdir(held.path)
+        except FileNotFoundError:
+            pass  # a starting run cleaning stale directories raced us to it
+        except OSError as err:
+            left = sorted(os.listdir(held.path)) if os.path.isdir(held.path) else []
+            log.warning(
+                "Left the disk-tier directory %s (%s): it holds files the run did not create: %s", held.path, err, left
+            )
     finally:
         os.close(held.lock_fd)
 
@@ -156,9 +163,12 @@ def clean_stale_runs(root: str) -> list[str]:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except FileNotFoundError:
         return removed
+    now = time.time()
     for entry in entries:
         if not (_RUN_DIR.match(entry.name) or _TMP_DIR.match(entry.name)) or not entry.is_dir(follow_symlinks=False):
             continue
+        if _TMP_DIR.match(entry.name) and now - entry.stat(follow_symlinks=False).st_mtime < TMP_GRACE_S:
+            continue  # a run being created right now: its lock file may not be locked yet
         try:
             if _clean_if_dead(entry.path):
                 removed.append(entry.path)

@@ -204,6 +204,7 @@ def test_stats_count_bytes_and_reset_per_iteration(store: DiskStore) -> None:
     first = store.reset_iteration()
     assert first.bytes_written == 400_000 and first.writes == 1 and first.write_seconds > 0 and first.write_gbps > 0
     assert first.busy_seconds >= first.write_seconds - 1e-9
+    assert store.staging_bytes == 3 * SMALL_BLOCK + ALIGNMENT
     store.read_sync("a", torch.empty(100_000))
     it = store.iteration_stats()
     assert it.bytes_written == 0 and it.bytes_read == 400_000 and it.reads == 1 and it.read_gbps > 0
@@ -266,6 +267,13 @@ def test_stale_directories_of_dead_runs_are_named_and_only_own_files_removed(
     other.mkdir()
     (other / "f4.master.pstar").write_bytes(b"v")
     (tmp_path / f"{RUN_PREFIX}afile").write_bytes(b"a file with the prefix, not a directory")
+    starting = tmp_path / f".{RUN_PREFIX}starting.0a1b.tmp"  # a run being created right now: its lock looks free
+    starting.mkdir()
+    (starting / LOCK_NAME).touch()
+    crashed = tmp_path / f".{RUN_PREFIX}crashed.0a1b.tmp"  # one killed while being created, long ago
+    crashed.mkdir()
+    (crashed / LOCK_NAME).touch()
+    os.utime(crashed, (0, 0))
     held = os.open(live / LOCK_NAME, os.O_RDWR)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live run (flock conflicts across open files)
     try:
@@ -277,6 +285,7 @@ def test_stale_directories_of_dead_runs_are_named_and_only_own_files_removed(
         assert sorted(p.name for p in live.iterdir()) == ["f3.master.pstar", LOCK_NAME], "a live run is untouched"
         assert (other / "f4.master.pstar").exists() and (tmp_path / f"{RUN_PREFIX}afile").exists()
         assert not mine.exists()
+        assert starting.exists() and not crashed.exists()
         text = caplog.text
         assert (
             f"Removed the stale disk-tier directory {dead} of a run that is no longer alive (2 data files, 101 bytes)"
