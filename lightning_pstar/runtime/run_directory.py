@@ -63,12 +63,13 @@ class _Held:
     path: str
     lock_fd: int
     files: set[str]
+    pid: int  # the creating process: a forked child (a DataLoader worker) shares the lock but never removes
     closed: bool = False
 
 
 def _remove(held: _Held) -> None:
     """Remove the run's own files, its lock and its directory, and drop the lock (idempotent)."""
-    if held.closed:
+    if held.closed or os.getpid() != held.pid:
         return
     held.closed = True
     for name in sorted(held.files):
@@ -128,7 +129,7 @@ class RunDirectory:
             raise
         self.path = final
         """Absolute path of the run directory."""
-        self._held = _Held(path=final, lock_fd=fd, files=set())
+        self._held = _Held(path=final, lock_fd=fd, files=set(), pid=os.getpid())
         self._finalizer = weakref.finalize(self, _remove, self._held)
 
     def file_path(self, key: str) -> str:
@@ -167,9 +168,9 @@ def clean_stale_runs(root: str) -> list[str]:
     for entry in entries:
         if not (_RUN_DIR.match(entry.name) or _TMP_DIR.match(entry.name)) or not entry.is_dir(follow_symlinks=False):
             continue
-        if _TMP_DIR.match(entry.name) and now - entry.stat(follow_symlinks=False).st_mtime < TMP_GRACE_S:
-            continue  # a run being created right now: its lock file may not be locked yet
         try:
+            if _TMP_DIR.match(entry.name) and now - entry.stat(follow_symlinks=False).st_mtime < TMP_GRACE_S:
+                continue  # a run being created right now: its lock file may not be locked yet
             if _clean_if_dead(entry.path):
                 removed.append(entry.path)
         except FileNotFoundError:

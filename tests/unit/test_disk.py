@@ -226,6 +226,31 @@ def test_second_store_on_the_same_run_directory_is_refused(tmp_path: Path) -> No
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ranks_starting_at_once_on_one_disk_path_get_their_own_directories(tmp_path: Path) -> None:
+    stores: list[DiskStore] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            stores.append(DiskStore(tmp_path, threads=1, block_bytes=ALIGNMENT))
+        except BaseException as err:  # noqa: B036 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=start) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len({s.path for s in stores}) == 8 and all(Path(s.path).is_dir() for s in stores)
+    for i, s in enumerate(stores):
+        s.write_sync("k", torch.full((10,), float(i)))
+    for i, s in enumerate(stores):
+        assert _same_bits(s.read_sync("k", torch.empty(10)), torch.full((10,), float(i)))
+        s.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_close_removes_everything_and_runs_once(tmp_path: Path) -> None:
     s = DiskStore(tmp_path)
     s.write_sync("a", torch.randn(1000))
