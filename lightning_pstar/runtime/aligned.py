@@ -25,6 +25,8 @@ __all__ = ["ALIGNMENT", "AlignedArena", "aligned_empty", "align_up", "is_aligned
 
 log = logging.getLogger(__name__)
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's pinned memory is
+
 ALIGNMENT = 4096
 """Byte alignment of ``O_DIRECT`` buffers, offsets and lengths (one page; a multiple of every logical block
 size of current disks)."""
@@ -105,7 +107,7 @@ class AlignedArena:
         # without that allocator's power-of-two rounding. The whole allocation (aligned, a multiple of the page
         # size) is registered once and unregistered before torch frees it.
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(self._data.data_ptr(), self.nbytes, 0)
+        err = cudart.cudaHostRegister(self._data.data_ptr(), self.nbytes, _HOST_REGISTER_PORTABLE)
         if int(err) != 0:
             log.warning(
                 "cudaHostRegister of the %d-byte disk staging arena failed (cudaError %d): its device copies are"
@@ -119,5 +121,7 @@ class AlignedArena:
     def close(self) -> None:
         """Unregister the allocation from CUDA (no-op when it was not registered)."""
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self._data.data_ptr())
             self.registered = False
+            err = torch.cuda.cudart().cudaHostUnregister(self._data.data_ptr())
+            if int(err) != 0:
+                log.warning("cudaHostUnregister of the disk staging arena failed (cudaError %d).", int(err))

@@ -555,6 +555,47 @@ def test_disk_options_flow_from_the_strategy_keywords_and_are_validated(tmp_path
         PatrickStarStrategy(disk_path=tmp_path)
 
 
+class _FakeCudart:
+    """Records cudaHostRegister/Unregister calls: the CPU-visible part of the CUDA arena path."""
+
+    def __init__(self, code: int = 0) -> None:
+        self.code = code
+        self.calls: list[tuple[str, int, int]] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - cudart's name
+        self.calls.append(("register", ptr, size))
+        return self.code
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 - cudart's name
+        self.calls.append(("unregister", ptr, 0))
+        return 0
+
+
+def test_a_cuda_store_registers_its_staging_arena_once_and_unregisters_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    with DiskStore(tmp_path, device="cuda", threads=2, block_bytes=SMALL_BLOCK) as s:
+        assert s._arena.registered
+        ((kind, ptr, size),) = fake.calls
+        assert kind == "register" and ptr % ALIGNMENT == 0 and size == 2 * SMALL_BLOCK
+        src = torch.randn(10_001)
+        s.write_sync("k", src)
+        assert _same_bits(s.read_sync("k", torch.empty(10_001)), src)
+    assert fake.calls[1:] == [("unregister", ptr, 0)]
+    failing = _FakeCudart(code=2)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: failing)
+    with caplog.at_level(logging.WARNING, logger="lightning_pstar.runtime.aligned"):
+        arena = AlignedArena(SMALL_BLOCK, 1, pin=True)
+    assert not arena.registered and "cudaHostRegister of the 16384-byte disk staging arena failed" in caplog.text
+    arena.close()
+    assert [c[0] for c in failing.calls] == ["register"], "nothing to unregister"
+    with DiskStore(tmp_path, device="cpu", threads=1, block_bytes=SMALL_BLOCK) as s:
+        assert not s._arena.registered  # a CPU run never pins
+
+
 # ---- CUDA --------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_cuda_store_registers_its_arena_and_round_trips_device_tensors(tmp_path: Path) -> None:
