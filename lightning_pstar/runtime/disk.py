@@ -414,12 +414,28 @@ class DiskStore:
     def _transfer(self, kf: _KeyFile, data: torch.Tensor, offset: int, length: int, staged: bool, write: bool) -> None:
         """One block: ``data[offset : offset + length]`` to or from the file at ``offset``."""
         kind = "write" if write else "read"
-        padded = align_up(length)
         self._meter.begin(kind)
         index = self._arena.acquire() if staged else -1
+        moved = 0
+        try:
+            with torch.profiler.record_function(f"pstar::disk_{kind}"):
+                self._move(kf, data, offset, length, index, write)
+            moved = length
+        except DiskIOError as err:
+            if write:
+                kf.failed = f"{os.strerror(err.errno or errno.EIO)}, errno {err.errno}"
+            raise
+        finally:
+            if staged:
+                self._arena.release(index)
+            self._meter.end(kind, moved)  # failed blocks count no bytes
+
+    def _move(self, kf: _KeyFile, data: torch.Tensor, offset: int, length: int, index: int, write: bool) -> None:
+        """The system calls of one block, through arena block ``index`` (staged) unless it is -1."""
+        padded = align_up(length)
         done = 0
         try:
-            if staged:
+            if index >= 0:
                 block = self._arena.block(index)[:padded]
                 if write:
                     block[:length].copy_(data[offset : offset + length])
@@ -433,18 +449,13 @@ class DiskStore:
                 if moved <= 0:
                     raise OSError(errno.EIO, "short read: end of file" if not write else "no bytes written")
                 done += moved
-            if staged and not write:
+            if index >= 0 and not write:
                 data[offset : offset + length].copy_(block[:length])
             if not kf.direct:
                 os.posix_fadvise(kf.fd, offset, padded, os.POSIX_FADV_DONTNEED)
         except OSError as err:
-            if write:
-                kf.failed = f"errno {err.errno}"
+            kind = "write" if write else "read"
             raise _io_error(err, path=kf.path, op=kind, nbytes=padded, offset=offset, done=done) from None
-        finally:
-            if staged:
-                self._arena.release(index)
-            self._meter.end(kind, min(done, length))
 
 
 def _allocate(fd: int, size: int) -> None:

@@ -422,7 +422,10 @@ def test_a_full_disk_mid_run_names_the_path_and_leaves_earlier_files_intact(
     assert "No space left on device" in message and "HINT: the filesystem is full" in message
     monkeypatch.undo()
     assert _same_bits(store.read_sync("f0.master", torch.empty(30_000)), kept)
-    with pytest.raises(DiskIOError, match=r"cannot read .*f1.master.pstar: its last write failed.*HINT"):
+    with pytest.raises(
+        DiskIOError,
+        match=r"cannot read .*f1.master.pstar: its last write failed \(No space left on device, errno 28\). HINT",
+    ):
         store.read("f1.master", torch.empty(30_000)).result()
     again = torch.randn(30_000)
     store.write_sync("f1.master", again)  # a later good write makes it readable again
