@@ -5,7 +5,8 @@ structured configs and Hydra YAML files are validated by the same code::
 
     PStarConfig
       chunks            ChunkConfig           size, cpu_embedding, bucket_bytes
-      memory            MemoryConfig          device_limit, host_limit, device_fraction, host_fraction, host_malloc
+      memory            MemoryConfig          device_limit, host_limit, device_fraction, host_fraction, host_malloc,
+                                              disk_path, disk_limit
       placement         PlacementConfig       policy, static_chunk_fraction, warmup_chunk_fraction
       mixed_precision   MixedPrecisionConfig  frozen_master, loss_scale (LossScaleConfig)
       checkpoint        CheckpointFormat      consolidated | sharded
@@ -19,6 +20,7 @@ tree through one table, :data:`FLAT_OPTIONS`, used by :meth:`PStarConfig.from_fl
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 import warnings
@@ -240,8 +242,8 @@ def _bucket_bytes(value: object) -> int:
 
 @dataclass(kw_only=True)
 class MemoryConfig:
-    """Byte budgets of the two tiers, and what the C library keeps of freed host memory. Limits accept an int
-    (bytes) or a string with a unit ("8GiB")."""
+    """Byte budgets of the tiers, where the disk tier lives, and what the C library keeps of freed host memory.
+    Limits accept an int (bytes) or a string with a unit ("8GiB")."""
 
     device_limit: int | str | None = None
     """Device memory PatrickStar may fill. Under ``placement.policy="auto"`` this is the budget for chunks
@@ -263,6 +265,13 @@ class MemoryConfig:
     """"cached" (the default): on a CPU run glibc keeps the host memory a step frees for the next one, so the
     simulated device does not fault its pages in again every step; "system": leave the C library as it is.
     See :class:`HostMalloc`."""
+    disk_path: str | None = None
+    """An existing directory on a local disk (an SSD) for the disk tier: the fp32 masters and optimizer states of
+    the chunk families that do not fit host memory are kept in files of a locked directory of the run's own inside
+    it, removed when the run ends. None (the default): no disk tier."""
+    disk_limit: int | str | None = None
+    """Bytes of files the disk tier may write under ``disk_path``. None: 0.8 of the free space of ``disk_path``
+    when training starts. Ignored (with a warning) while ``disk_path`` is unset."""
 
     def __post_init__(self) -> None:
         self.device_limit = _byte_limit(self.device_limit, name="memory.device_limit")
@@ -270,6 +279,16 @@ class MemoryConfig:
         self.device_fraction = _fraction(self.device_fraction, name="memory.device_fraction")
         self.host_fraction = _fraction(self.host_fraction, name="memory.host_fraction")
         self.host_malloc = HostMalloc.coerce(self.host_malloc, name="memory.host_malloc")
+        self.disk_path = _disk_path(self.disk_path)
+        self.disk_limit = _byte_limit(self.disk_limit, name="memory.disk_limit")
+        if self.disk_limit is not None and self.disk_path is None:
+            warnings.warn(
+                f"`memory.disk_limit` (`disk_memory_limit`, {self.disk_limit!r}) is ignored: `memory.disk_path` is"
+                " unset, so there is no disk tier. HINT: set disk_path to a directory on a local disk, or drop"
+                " disk_limit.",
+                UserWarning,
+                stacklevel=_caller_stacklevel(),
+            )
 
     @property
     def device_limit_bytes(self) -> int | None:
@@ -282,6 +301,26 @@ class MemoryConfig:
         """``host_limit`` in bytes, or None when unset."""
         v = self.host_limit
         return None if v is None else parse_bytes(v, name="memory.host_limit")
+
+    @property
+    def disk_limit_bytes(self) -> int | None:
+        """``disk_limit`` in bytes, or None when unset."""
+        v = self.disk_limit
+        return None if v is None else parse_bytes(v, name="memory.disk_limit")
+
+
+def _disk_path(value: object) -> str | None:
+    """``memory.disk_path`` as a string: None, or a non-empty path (a str or an ``os.PathLike``)."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            f"`memory.disk_path` must be None (no disk tier) or a directory path (a non-empty str or os.PathLike),"
+            f" got {value!r}."
+        )
+    return value
 
 
 @dataclass(kw_only=True)
@@ -391,7 +430,8 @@ class PStarConfig:
     """How parameters are packed into chunks: ``size``, ``cpu_embedding``."""
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Byte budgets of the device and host tiers: ``device_limit``, ``host_limit`` and the fractions used
-    when a limit is unset; ``host_malloc``: what the C library keeps of freed host memory on a CPU run."""
+    when a limit is unset; ``host_malloc``: what the C library keeps of freed host memory on a CPU run;
+    ``disk_path`` and ``disk_limit``: the disk tier."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Which chunks sit on the device at each moment: ``policy`` and its fractions."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
@@ -477,6 +517,8 @@ class PStarOptions(TypedDict, total=False):
     device_memory_fraction: float
     host_memory_fraction: float
     host_malloc: HostMalloc | str
+    disk_path: str | os.PathLike[str] | None
+    disk_memory_limit: int | str | None
     placement: Placement | str
     static_chunk_fraction: float
     warmup_chunk_fraction: float
@@ -498,6 +540,8 @@ FLAT_OPTIONS: Mapping[str, str] = {
     "device_memory_fraction": "memory.device_fraction",
     "host_memory_fraction": "memory.host_fraction",
     "host_malloc": "memory.host_malloc",
+    "disk_path": "memory.disk_path",
+    "disk_memory_limit": "memory.disk_limit",
     "placement": "placement.policy",
     "static_chunk_fraction": "placement.static_chunk_fraction",
     "warmup_chunk_fraction": "placement.warmup_chunk_fraction",

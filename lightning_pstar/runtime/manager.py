@@ -15,6 +15,7 @@ parameter :meth:`grad_ready`, :meth:`finish_backward`; then the optimizer's :met
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -177,6 +178,14 @@ class ChunkManager:
             )
         start = self._optimizer_start_tier(policy, device_budget)
         warn_unbound_host_limit(config, device)
+        if config.memory.disk_path is not None:  # the I/O layer (runtime/disk.py) is not wired to the chunks yet
+            warnings.warn(
+                f"memory.disk_path={config.memory.disk_path!r} is set, but this release does not place chunks on"
+                " disk yet: all model data stays in device and host memory, within their budgets. HINT: leave"
+                " disk_path unset until the disk tier lands (see CHANGELOG).",
+                UserWarning,
+                stacklevel=2,
+            )
         self.setup_need = check_setup_budgets(
             self.layout,
             self.bytes_per_element(),

@@ -40,6 +40,8 @@ BAD: dict[str, list[Any]] = {
     "checkpoint": ["zip", None, 1, True],
     "host_malloc": ["fast", "CACHED", "", None, 1, True],
     "hand_back_weights": ["no", 0, None],
+    "disk_path": ["", "  ", 5, True, [1], 1.5],
+    "disk_memory_limit": [0, -1, "0GiB", "8 parsecs", 1.5, True, [1]],
 }
 BAD_LOSS_SCALE: dict[str, list[Any]] = {
     "initial_scale": [math.inf, math.nan, "big", 0, -1, None, True],
@@ -60,6 +62,9 @@ CONVERTED_FROM_MAPPING: dict[tuple[str, str], Any] = {
     ("memory.host_fraction", "'0.5'"): 0.5,
     ("placement.static_chunk_fraction", "'0.5'"): 0.5,
     ("placement.warmup_chunk_fraction", "'0.5'"): 0.5,
+    ("memory.disk_path", "5"): "5",
+    ("memory.disk_path", "True"): "True",
+    ("memory.disk_path", "1.5"): "1.5",
 }
 CASES = [(option, value) for option, values in BAD.items() for value in values]
 LOSS_SCALE_CASES = [(field, value) for field, values in BAD_LOSS_SCALE.items() for value in values]
