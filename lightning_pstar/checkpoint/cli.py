@@ -16,7 +16,11 @@ def _not_a_directory(path: Path) -> str | None:
     """Why ``path`` cannot be consolidated before anything is read from it, or None for a directory."""
     if path.is_dir():
         return None
-    if not path.exists():
+    if not path.exists():  # a sharded save killed mid-publish may have set it aside: put it back first
+        from lightning_pstar.checkpoint.io import restore_set_aside
+
+        if restore_set_aside(path) is not None and path.is_dir():
+            return None
         return f"'{path}' does not exist. HINT: pass the sharded checkpoint directory (checkpoint='sharded')."
     what = _describe_file(path)
     return f"'{path}' is a file ({what}), not a sharded checkpoint directory. HINT: " + (

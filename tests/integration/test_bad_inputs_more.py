@@ -128,8 +128,7 @@ def test_sharded_directory_in_plain_lightning_and_the_fix(tmp_path: Path) -> Non
     loaded = TinyLM.load_from_checkpoint(str(out))
     for name, value in trained.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value.detach().cpu()), name
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Checkpoints", 1)[1].split("\n## ", 1)[0]
+    section = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
     needed = ('strategy="auto"', "load_from_checkpoint", "IsADirectoryError", "python -m lightning_pstar.consolidate")
     for text in needed:
         assert text in section, text

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.config import OptimizerOverlap
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.state import Tier
 from tests.helpers.asserts import assert_evicted, assert_same_run
@@ -61,6 +62,9 @@ def test_buffers_stay_with_their_modules(precision: str) -> None:
     and batch counter update as in plain Lightning, and checkpoints keep them."""
     ref = fit_steps(BufferLM(), "auto", precision=precision)
     strategy = tight(1100, 2, itemsize=4 if precision == "32-true" else 2)
+    # the serial step leaves host-stepped param chunks on the host: the reads below then hit evicted chunks (the
+    # pipelined step keeps them on the device; tests/integration/test_step_pipeline.py covers its reads)
+    strategy.config.placement.optimizer_overlap = OptimizerOverlap.OFF
     got = fit_steps(BufferLM(), strategy, precision=precision)
     assert_evicted(strategy)
     # in every step: on the strategy's compute device (the simulated device of a CPU machine), own dtypes
@@ -183,6 +187,9 @@ def _fit_readers(precision: str) -> tuple[WeightReader, WeightReader, FitResult]
     fit_steps(ReadingLM(), "auto", precision=precision, callbacks=[ref_reader])
     reader = WeightReader()
     strategy = tight(1100, 2, itemsize=4 if precision == "32-true" else 2)
+    # the serial step leaves host-stepped param chunks on the host: the reads below then hit evicted chunks (the
+    # pipelined step keeps them on the device; tests/integration/test_step_pipeline.py covers its reads)
+    strategy.config.placement.optimizer_overlap = OptimizerOverlap.OFF
     got = fit_steps(ReadingLM(), strategy, precision=precision, callbacks=[reader])
     assert_evicted(strategy)
     return ref_reader, reader, got
