@@ -113,23 +113,28 @@ class OptimizerOverlap(_ValueEnum):
     :mod:`lightning_pstar.runtime.pipeline`). Every schedule gives bitwise the serial step's weights."""
 
     AUTO = "auto"
-    """The fastest exact schedule the engine can prove: gradient copies, host Adam and parameter copies of
-    different families run at once on worker threads, and where nothing can read or change gradients between
-    the backward and the step (Trainer, automatic optimization, no clipping, no fp16 loss scaling, no hook
-    overridden between them) a family steps while the backward goes on, as soon as its gradients are final.
-    The step is over when ``optimizer.step()`` returns."""
+    """The faster of "pipeline" and "off" for this run, measured: after the warm-up a few optimizer steps of each
+    run, alternating, and the one with the lower median time per step is kept ([Note: choosing the schedule] in
+    :mod:`lightning_pstar.optim.overlap`; the choice is in the memory report). On a GPU that is the pipeline; where
+    the device's compute shares the host's cores (a CPU) it may be the serial step."""
+    PIPELINE = "pipeline"
+    """Gradient copies, host Adam and parameter copies of different families run at once on worker threads, and
+    where nothing can read or change gradients between the backward and the step (Trainer, automatic
+    optimization, no clipping, no fp16 loss scaling, no hook overridden between them, no device budget) a family
+    steps while the backward goes on, as soon as its gradients are final. The step is over when
+    ``optimizer.step()`` returns."""
     OFF = "off"
     """The serial step: each family's gradients go to the host, Adam runs, the parameters come back, family
     after family, on the calling thread."""
     NEXT_FORWARD = "next_forward"
-    """Opt-in: "auto", and ``optimizer.step()`` returns while the last families still step; the next forward
+    """Opt-in: "pipeline", and ``optimizer.step()`` returns while the last families still step; the next forward
     runs meanwhile, each module waiting only for its own families. Every reader the engine sees (a module's
     forward, state dicts, checkpoints, evaluation, zero_grad, teardown) waits, but a weight read outside its own
     module's forward (in ``training_step``, a callback, a parent module's forward) before that module runs is
     not seen: until its family's step is done such a read raises an error that says so, instead of reading a
-    half-updated weight. One rank, no compiled modules
-    (elsewhere it runs as "auto")."""
+    half-updated weight. One rank, no compiled modules (elsewhere it runs as "pipeline")."""
     auto = "auto"  # alias, see [Note: enums in OmegaConf]
+    pipeline = "pipeline"  # alias
     off = "off"  # alias
     next_forward = "next_forward"  # alias
 
@@ -341,9 +346,10 @@ class PlacementConfig:
     (every family, ZeRO-Offload style) or "device" (every family; refused at setup where it does not fit); see
     :class:`OptimizerPlacement`."""
     optimizer_overlap: OptimizerOverlap = OptimizerOverlap.AUTO
-    """How a host-side step overlaps its transfers and the backward: "auto" (the fastest exact schedule that
-    every reader waits for), "next_forward" (opt-in: the step's tail also overlaps the next forward) or "off"
-    (the serial step); see :class:`OptimizerOverlap`."""
+    """How a host-side step overlaps its transfers and the backward: "auto" (the faster of "pipeline" and "off",
+    measured after the warm-up), "pipeline" (the pipelined step, inside the backward where exact), "next_forward"
+    (opt-in: the step's tail also overlaps the next forward) or "off" (the serial step); see
+    :class:`OptimizerOverlap`."""
 
     def __post_init__(self) -> None:
         self.policy = Placement.coerce(self.policy, name="placement.policy")

@@ -79,7 +79,9 @@ class MemoryReport:
     dirty_moves: int = 0  # moves off the device that copied the bytes back
     host_copy_bytes: int = 0  # host copies of device-resident chunks, kept for clean evictions
     # the host-side optimizer step ([Note: the step pipeline] in runtime/pipeline.py)
-    optimizer_overlap: str = "auto"  # the schedule asked for: "auto" (pipelined) or "off" (serial)
+    optimizer_overlap: str = "auto"  # the schedule asked for: "auto", "pipeline", "next_forward" or "off"
+    optimizer_schedule: str | None = None  # what runs: "pipeline" or "serial"; None while "auto" times both
+    schedule_trial_ms: dict[str, float] = field(default_factory=dict)  # "auto": median ms per step of each
     host_step_jobs: int = 0  # family steps that ran through the pipeline
     host_steps_in_backward: int = 0  # ... of which started during the backward
     step_d2h_bytes: int = 0  # copied to the host by those steps (also counted in d2h_bytes)
@@ -153,7 +155,8 @@ class MemoryReport:
             ("steps skipped (non-finite)", str(self.nonfinite_skipped_steps)),
             (
                 "host steps (in backward)",
-                f"{self.host_step_jobs} ({self.host_steps_in_backward}), overlap {self.optimizer_overlap}",
+                f"{self.host_step_jobs} ({self.host_steps_in_backward}), overlap {self.optimizer_overlap}"
+                + (f" ({self.optimizer_schedule})" if self.optimizer_schedule else ""),
             ),
             ("rank / world size", f"{self.rank} / {self.world_size}"),
             ("all-gathered", fmt(self.gathered_bytes)),

@@ -360,7 +360,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
 
     def _nothing_reads_gradients(self) -> bool:
         """Whether no code but the engine's can read or change gradients between this backward and the step
-        ([Note: stepping inside the backward] in optim/optimizer.py): automatic optimization with one
+        ([Note: stepping inside the backward] in optim/overlap.py): automatic optimization with one
         optimizer, no gradient clipping, and no hook between the two overridden in the LightningModule or a
         callback (nor the module's own ``backward`` or ``optimizer_step``, which may do anything)."""
         module = self.lightning_module

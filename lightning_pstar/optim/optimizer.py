@@ -15,35 +15,12 @@ A step runs one of three paths per parameter set, all with the same kernels:
 - host-resident parameters (``cpu_embedding``), whose state lives beside them in an ordinary dict.
 """
 
-
-# [Note: stepping inside the backward]
-# With ``optimizer_overlap="auto"`` a host-side family may step while the backward is still running: as soon as
-# every trainable parameter of the family has its final gradient of this backward (one rank: the family's
-# gradients landed together, [Note: gradients land per family]; several ranks: its reduced share was stored), the
-# strategy's armed optimizer submits the family's job to the step pipeline ([Note: the step pipeline] in
-# runtime/pipeline.py). That is exact only where nothing can read or change a gradient between the backward
-# and ``optimizer.step()``, and nothing needs all gradients first. The strategy proves the first part (Trainer,
-# automatic optimization with one optimizer, no gradient clipping configured, and none of ``on_after_backward``,
-# ``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step`` or ``backward`` overridden in
-# the LightningModule, nor the first two in any callback); :meth:`ChunkedOptimizer.step_in_backward` checks the
-# engine's part (the warm-up is over, so its checks before the first step have run; the micro-batch is the last
-# of an accumulation; no clipping, no fp16 loss scaling). Fabric never arms it: user code runs between
-# ``fabric.backward`` and ``optimizer.step``. A gradient that reaches a family whose step started (a parameter
-# used in two reentrant checkpointed segments) raises, naming the parameter, instead of being lost. A backward
-# that raises after some families started leaves those families stepped (their states cannot be rolled back);
-# the run is failing then, and nothing is saved from it by the engine.
-# The jobs hold back their parameter copies to the device until the backward is over, so autograd never reads
-# a weight that changes under it; ``optimizer.step()`` starts the families that did not step yet and returns once
-# every job is finished. Every reader of weights, gradients or states outside the step (zero_grad, state dicts,
-# evaluation, a load, the report, teardown) finishes the jobs in flight first (``ChunkManager.finish_steps``).
-
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,14 +28,14 @@ import torch
 from torch.optim import Optimizer
 
 import lightning_pstar.optim.kernels as kernels
-from lightning_pstar.config import NonFinite, OptimizerOverlap
+from lightning_pstar.config import NonFinite
 from lightning_pstar.optim.grads import family_grads, host_grads, whole_family_grad_range
-from lightning_pstar.optim.host_step import host_job, park, snapshot_groups, unpark
+from lightning_pstar.optim.host_step import host_job
 from lightning_pstar.optim.kernels import WholeFamilyPlan
+from lightning_pstar.optim.overlap import StepOverlap
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
-from lightning_pstar.runtime.hooks import holds_compiled_code
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.pipeline import HostJob
 from lightning_pstar.runtime.state import Tier
@@ -141,10 +118,7 @@ class ChunkedOptimizer(Optimizer):
         own = {r.family.family_id for r in self._records}
         self._families = [f for f in manager.families if f.family_id in own]
         self._own_ids = own
-        overlap = manager.config.placement.optimizer_overlap
-        self._overlap = overlap is not OptimizerOverlap.OFF
-        # optimizer_overlap="next_forward": the step's last families go on stepping after step() returns
-        self._tail = overlap is OptimizerOverlap.NEXT_FORWARD and _tail_possible(manager)
+        self.overlap = StepOverlap(self, manager)  # the schedule, the step inside the backward, the tail
         kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if self._book.is_adam else []
         if not self._book.is_adam and any(g["momentum"] != 0 for g in self.param_groups):
             kinds = [ChunkKind.EXP_AVG]
@@ -162,6 +136,13 @@ class ChunkedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            self._step()
+        finally:
+            self.overlap.step_ended()
+        return loss
+
+    def _step(self) -> None:
         # LR schedulers created on the user's optimizer check that its step ran before theirs
         self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         manager = self._manager
@@ -173,7 +154,7 @@ class ChunkedOptimizer(Optimizer):
             on_host = read.on_host if read is not None else self._host_grads()
             coef = self._clip_coefficient(families, on_host, read)
             if coef is not None and self._nonfinite(families):
-                return loss
+                return
             early = set(manager.grads.stepped)
             leftover = set(manager.pipeline.family_ids) - early  # the last step's tail no module waited for
             if leftover:
@@ -182,22 +163,21 @@ class ChunkedOptimizer(Optimizer):
                 assert not early, "PatrickStar internal error: a step inside the backward was skipped"
                 self.last_step = StepResult(skipped=True)
                 self.zero_grad()
-                return loss
+                return
             assert coef == 1.0 or not early, "PatrickStar internal error: a step inside the backward needed clipping"
             try:
                 self._step_families([f for f in families if f.family_id not in early], coef)
             except BaseException:
                 manager.finish_steps()
                 raise
-            if self._tail:
-                self._leave_in_flight()
+            if self.overlap.tail:
+                self.overlap.leave_in_flight()
             else:
                 manager.finish_steps()  # the jobs in flight end before anything else runs
             manager.weights_version += 1  # weights autograd saved by reference are stale now
             self._applied_steps += 1
             self._step_host_params(on_host, coef)
             self.zero_grad()
-        return loss
 
     def _nonfinite(self, families: list[ChunkFamily]) -> bool:
         """``mixed_precision.nonfinite``: whether this step must not be applied, because a backward since the last
@@ -244,32 +224,13 @@ class ChunkedOptimizer(Optimizer):
     def _step_families(self, families: list[ChunkFamily], coef: float) -> None:
         """Step ``families``: host-side ones through the pipeline where ``optimizer_overlap`` allows (the step
         pipeline's workers), the rest here, serially; the caller finishes the jobs."""
-        pipelined = self._overlap
+        pipelined = self.overlap.schedule.pipelined
         for family in families:
             job = self._host_job(family, coef) if pipelined else None
             if job is not None:
                 self._manager.pipeline.submit(job)
             else:
                 self._step_family(family, coef)
-
-    def _leave_in_flight(self) -> None:
-        """``optimizer_overlap="next_forward"``: return while jobs are in flight. Their parameters are parked until
-        the job is done ([Note: parked parameters] in ``host_step.py``: a read outside the engine fails loudly
-        instead of reading a half-updated weight); each job then points them back at their slots and forgets its
-        family's gradients, as ``zero_grad`` does for the families already done."""
-        manager = self._manager
-        manager.grads.on_final = None
-        manager.grads.stepped.clear()
-        for fid in manager.pipeline.family_ids:
-            job = manager.pipeline.job(fid)
-            assert job is not None
-            family = manager.families[fid]
-            params = [record.param for record in family.records]
-            park(params)
-            job.before.append(functools.partial(_unpark_all, params))
-            ours = [r for r in family.records if r.index in self._book.group_of]
-            job.after.append(functools.partial(_settle_in_flight, manager, family, ours))
-        manager.tailing = manager.pipeline.busy
 
     def _host_job(self, family: ChunkFamily, coef: float) -> HostJob | None:
         """The pipelined host step of ``family`` (whole-family Adam), or None where the serial step runs."""
@@ -284,7 +245,7 @@ class ChunkedOptimizer(Optimizer):
             manager,
             family,
             plan,
-            groups=snapshot_groups(self.param_groups),
+            groups=self.overlap.groups(),
             steps_of=lambda: [self._book.step_tensor(r, torch.device("cpu")) for r in family.records],
             inv_scale=policy.inv_scale,
             coef=coef,
@@ -292,40 +253,10 @@ class ChunkedOptimizer(Optimizer):
             streams=manager.pipeline.streams(manager.device),
         )
 
-    # ---- [Note: stepping inside the backward] --------------------------------------------------------------
     def step_in_backward(self) -> bool:
-        """Let the coming backward start the step of each host-side family of this optimizer as soon as its
-        final gradients have all landed. The caller (the strategy) has proven that nothing reads or changes
-        gradients between this backward and :meth:`step`; this checks what the engine knows: the overlap is
-        on, the warm-up is over, the gradients are this step's last micro-batch, and nothing needs the global
-        view first (clipping, fp16's overflow check). Returns whether it is on; :meth:`step` (or anything
-        that reads weights, gradients or states first) finishes what it started."""
-        manager = self._manager
-        policy = self.gradient_policy
-        if not self._overlap or manager.tracer.recording or not manager.tracer.warmed_up:
-            return False
-        if manager.grads.accumulating or policy.check_finite or policy.clip_norm is not None:
-            return False
-        if policy.clip_value is not None or policy.inv_scale != 1.0 or not self._book.is_adam:
-            return False
-        if not any(manager.residency.optimizer_tier_of(f) is Tier.HOST for f in self._families):
-            return False
-        if manager.residency.device_budget is not None:
-            return False  # a budgeted backward may need the room the stepping families hold (evictions, recompute)
-        manager.pipeline.hold_copies_back()
-        manager.grads.on_final = self._start_in_backward
-        return True
-
-    def _start_in_backward(self, family: ChunkFamily) -> bool:
-        """A family's final gradients all landed during the backward: start its host step if it is ours."""
-        if family.family_id not in self._own_ids or not family.trainable:
-            return False
-        job = self._host_job(family, 1.0)
-        if job is None:
-            return False
-        self._manager.pipeline.submit(job)
-        self._manager.pipeline.times.in_backward += 1
-        return True
+        """Arm the coming backward to start host-side family steps ([Note: stepping inside the backward] in
+        ``optim/overlap.py``); returns whether it is armed."""
+        return self.overlap.arm_in_backward()
 
     def _families_with_grads(self) -> list[ChunkFamily]:
         return [f for f in self._families if any(r.has_grad for r in f.records if r.index in self._book.group_of)]
@@ -604,33 +535,6 @@ class ChunkedOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"ChunkedOptimizer({type(self._user_optimizer).__name__}, groups={len(self.param_groups)})"
-
-
-def _tail_possible(manager: ChunkManager) -> bool:
-    """Whether ``optimizer_overlap="next_forward"`` can run as asked: one rank (several ranks gather owned chunks
-    as send buffers at any point of the next forward) and no compiled module (dynamo guards on the parameters at
-    the call, before a module's hook can wait); elsewhere it runs as "auto", said once here."""
-    why = ""
-    if manager.sharding.distributed:
-        why = "several ranks"
-    elif holds_compiled_code(manager.module):
-        why = "a compiled module"
-    if why:
-        log.warning("PatrickStar: optimizer_overlap='next_forward' runs as 'auto' with %s.", why)
-    return not why
-
-
-def _settle_in_flight(manager: ChunkManager, family: ChunkFamily, records: list[ParamRecord]) -> None:
-    """A job left in flight by ``step()`` is done: its parameters point at their slots again and its gradients are
-    forgotten (what ``zero_grad`` did for the other families)."""
-    for record in family.records:
-        manager.residency.point_at_chunk(record)
-    manager.grads.discard(records)
-
-
-def _unpark_all(params: Sequence[torch.Tensor]) -> None:
-    for param in params:
-        unpark(param)
 
 
 def _check_options(optimizer: Optimizer, manager: ChunkManager) -> None:

@@ -59,10 +59,10 @@ _graph_task = torch._C._current_graph_task_id  # -1 outside a backward; each bac
 def _refuse_late_gradient(record: ParamRecord) -> None:
     raise RuntimeError(
         f"PatrickStar started the optimizer step of parameter '{record.slot.name}' (chunk {record.family.family_id})"
-        " during the backward, when all its gradients had arrived (optimizer_overlap='auto'), but it received"
-        " another gradient in the same backward (a parameter used in two reentrant activation-checkpointed"
-        " segments, or a second backward before the step). HINT: set optimizer_overlap='off', or use"
-        " torch.utils.checkpoint with use_reentrant=False."
+        " during the backward, when all its gradients had arrived (optimizer_overlap='pipeline', or 'auto' timing"
+        " it), but it received another gradient in the same backward (a parameter used in two reentrant"
+        " activation-checkpointed segments, or a second backward before the step). HINT: set"
+        " optimizer_overlap='off', or use torch.utils.checkpoint with use_reentrant=False."
     )
 
 
@@ -91,7 +91,7 @@ class GradStore:
         self._waiting_bound = max((f.capacity for f in residency.families), default=0)  # elements: one chunk
         self._expected = {f.family_id: sum(r.trainable for r in f.records) for f in residency.families}
         self._landing_task = -1  # the backward (autograd graph task) whose end lands what waits
-        # [Note: stepping inside the backward] in optim/optimizer.py: called with a family whose final gradients
+        # [Note: stepping inside the backward] in optim/overlap.py: called with a family whose final gradients
         # of this backward all landed; the families it took (they must receive no further gradient)
         self.on_final: Callable[[ChunkFamily], bool] | None = None
         self.stepped: set[int] = set()

@@ -27,9 +27,9 @@ buffer (the staging copy) is not dropped for room. The param chunk stays on the 
 buffer is a current host copy (a later eviction copies nothing: [Note: clean evictions] in ``chunk.py``).
 
 The parameter copies back (H2D) are held until the backward is over (:meth:`StepPipeline.open_copies_back`):
-a family may step while the backward goes on (``optimizer_overlap="auto"``, [Note: stepping inside the backward]
-in ``optimizer.py``), and the device bytes of its param chunk must not change while autograd could still read
-them. Gradient copies and host Adam do not write the device.
+a family may step while the backward goes on (``optimizer_overlap="pipeline"``, [Note: stepping inside the
+backward] in ``optim/overlap.py``), and the device bytes of its param chunk must not change while autograd could
+still read them. Gradient copies and host Adam do not write the device.
 
 On CUDA the copies run on side streams: the D2H stage waits for an event the compute stream recorded when the job
 was submitted (after the kernels that wrote the gradients), copies into the pinned host buffer and waits for its
@@ -64,7 +64,7 @@ class StageTimes:
     h2d: float = 0.0
     wait: float = 0.0  # the calling thread, waiting for jobs to finish
     jobs: int = 0
-    in_backward: int = 0  # jobs started by a backward ([Note: stepping inside the backward] in optim/optimizer.py)
+    in_backward: int = 0  # jobs started by a backward ([Note: stepping inside the backward] in optim/overlap.py)
 
     def seconds(self) -> dict[str, float]:
         return {"d2h": self.d2h, "adam": self.adam, "h2d": self.h2d, "wait": self.wait}
@@ -101,6 +101,10 @@ class StepPipeline:
         self._copies_back_open = True
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.times = StageTimes()
+        # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
+        # in optim/overlap.py): "pipeline", "serial", or None while "auto" still times both
+        self.schedule: str | None = None
+        self.trial_ms: dict[str, float] = {}
 
     def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
         """The copy streams of the D2H and H2D stages on CUDA (two, so both directions may copy at once); None

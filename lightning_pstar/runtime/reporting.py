@@ -108,4 +108,6 @@ def build_report(
         step_d2h_bytes=stats.step_d2h_bytes,
         step_h2d_bytes=stats.step_h2d_bytes,
         step_stage_seconds=pipeline.times.seconds() if pipeline is not None else {},
+        optimizer_schedule=pipeline.schedule if pipeline is not None else None,
+        schedule_trial_ms=dict(pipeline.trial_ms) if pipeline is not None else {},
     )

@@ -3,7 +3,7 @@
 "raise" (the default) leaves the weights and optimizer states of the step before and names the step and the
 parameters; "skip" leaves them too and trains on, counting the step; "ignore" applies it as plain Lightning does.
 The engine reads the loss of each backward and the global norm it computes anyway: a step that starts inside the
-backward (``optimizer_overlap="auto"``) is never started from a non-finite loss.
+backward (``optimizer_overlap="pipeline"``, or "auto" while it times it) is never started from a non-finite loss.
 """
 
 from __future__ import annotations

@@ -1,0 +1,263 @@
+"""Which schedule a host-side optimizer step runs, and the two that run past the backward's end or start inside it.
+
+[Note: stepping inside the backward]
+With the pipelined schedule a host-side family may step while the backward is still running: as soon as every
+trainable parameter of the family has its final gradient of this backward (one rank: the family's gradients
+landed together, [Note: gradients land per family]; several ranks: its reduced share was stored), the strategy's
+armed optimizer submits the family's job to the step pipeline ([Note: the step pipeline] in
+runtime/pipeline.py). That is exact only where nothing can read or change a gradient between the backward and
+``optimizer.step()``, and nothing needs all gradients first. The strategy proves the first part (Trainer,
+automatic optimization with one optimizer, no gradient clipping configured, and none of ``on_after_backward``,
+``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step`` or ``backward`` overridden in
+the LightningModule, nor the first two in any callback); :meth:`StepOverlap.arm_in_backward` checks the engine's
+part (the warm-up is over, so its checks before the first step have run; the micro-batch is the last of an
+accumulation; no clipping, no fp16 loss scaling; no device budget, whose backward may need the room the stepping
+families hold). Fabric never arms it: user code runs between ``fabric.backward`` and ``optimizer.step``. A
+gradient that reaches a family whose step started (a parameter used in two reentrant checkpointed segments)
+raises, naming the parameter, instead of being lost. A backward that raises after some families started leaves
+those families stepped (their states cannot be rolled back); the run is failing then, and nothing is saved from
+it by the engine. The jobs hold back their parameter copies to the device until the backward is over, so
+autograd never reads a weight that changes under it; ``optimizer.step()`` starts the families that did not step
+yet and returns once every job is finished. Every reader of weights, gradients or states outside the step
+(zero_grad, state dicts, evaluation, a load, the report, teardown) finishes the jobs in flight first
+(``ChunkManager.finish_steps``).
+
+[Note: choosing the schedule]
+Every schedule of the host-side step gives the same bits, so which one runs is a question of speed alone, and
+the answer depends on the machine. On a GPU the pipeline hides host Adam and the transfers behind the device's
+compute. Where the "device" shares the host's cores and memory bandwidth (the simulated device of a CPU machine,
+or a host whose cores are busy with data loading), the pipeline's workers slow the very compute they overlap, and
+the serial step can be the faster (docs/performance.md has this machine's figures). So ``optimizer_overlap="auto"``
+measures instead of guessing: once the warm-up is over and one settling step has passed, it runs ``TRIALS``
+optimizer steps of each schedule, alternating and the pipelined one first, times each from the end of one
+``optimizer.step()`` to the end of the next (forward, backward and step: a step inside the backward changes the
+backward's time too), and keeps the schedule with the lower median for the rest of the run. At several ranks the
+medians are max-reduced first, so every rank keeps the same schedule. A step without host-side families (the
+hybrid plan put every family on the device) is not a trial: nothing differs between the schedules there. The
+choice and the medians are in the memory report (``optimizer_schedule``, ``schedule_trial_ms``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+from collections.abc import Sequence
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_pstar.config import OptimizerOverlap
+from lightning_pstar.optim.host_step import park, snapshot_groups, unpark
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.hooks import holds_compiled_code
+from lightning_pstar.runtime.state import Tier
+
+if TYPE_CHECKING:
+    from lightning_pstar.optim.optimizer import ChunkedOptimizer
+    from lightning_pstar.runtime.manager import ChunkManager
+
+__all__ = ["PIPELINE", "SERIAL", "TRIALS", "ScheduleChooser", "StepOverlap"]
+
+log = logging.getLogger(__name__)
+
+PIPELINE = "pipeline"
+SERIAL = "serial"
+TRIALS = 3
+"""Optimizer steps of each schedule that ``optimizer_overlap="auto"`` times before it keeps one."""
+
+
+class ScheduleChooser:
+    """The schedule of the coming optimizer step ([Note: choosing the schedule]).
+
+    ``mode``: the ``optimizer_overlap`` asked for; ``agree``: max-reduces a list of medians over ranks (identity
+    at one rank); ``clock``: seconds (tests pass their own)."""
+
+    def __init__(
+        self,
+        mode: OptimizerOverlap,
+        *,
+        agree: Any = None,
+        clock: Any = perf_counter,
+        trials: int = TRIALS,
+    ) -> None:
+        self.mode = mode
+        self._agree = agree if agree is not None else (lambda values: values)
+        self._clock = clock
+        self._trials = trials
+        self._last: float | None = None  # the end of the last timed optimizer step
+        self._settled = False  # the step after the warm-up (placement settles) is not timed
+        self._times: dict[str, list[float]] = {PIPELINE: [], SERIAL: []}
+        self.chosen: str | None = None
+        if mode is OptimizerOverlap.OFF:
+            self.chosen = SERIAL
+        elif mode is not OptimizerOverlap.AUTO:
+            self.chosen = PIPELINE
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the coming optimizer step runs the pipelined schedule."""
+        return self.current == PIPELINE
+
+    @property
+    def current(self) -> str:
+        if self.chosen is not None:
+            return self.chosen
+        done = len(self._times[PIPELINE]) + len(self._times[SERIAL])
+        return PIPELINE if done % 2 == 0 else SERIAL
+
+    @property
+    def trial_ms(self) -> dict[str, float]:
+        """Median milliseconds per optimizer step of each schedule timed so far."""
+        return {k: 1e3 * statistics.median(v) for k, v in self._times.items() if v}
+
+    def step_done(self, *, measurable: bool) -> None:
+        """An optimizer step just ended; ``measurable``: the warm-up is over and host-side families stepped."""
+        if self.chosen is not None:
+            return
+        now = self._clock()
+        last, self._last = self._last, now
+        if not measurable or last is None:
+            self._last = now if measurable else None
+            return
+        if not self._settled:
+            self._settled = True
+            return
+        self._times[self.current].append(now - last)
+        if min(len(v) for v in self._times.values()) >= self._trials:
+            self._decide()
+
+    def _decide(self) -> None:
+        pipe, serial = self._agree([statistics.median(self._times[PIPELINE]), statistics.median(self._times[SERIAL])])
+        self.chosen = PIPELINE if pipe <= serial else SERIAL
+        log.debug(
+            "PatrickStar: optimizer_overlap='auto' keeps the %s step (median %.1f ms per step pipelined, %.1f ms"
+            " serial).",
+            self.chosen,
+            1e3 * pipe,
+            1e3 * serial,
+        )
+
+
+class StepOverlap:
+    """The parts of :class:`~lightning_pstar.optim.optimizer.ChunkedOptimizer`'s step that overlap something:
+    the schedule chooser, the step inside the backward and the tail left in flight (``"next_forward"``)."""
+
+    def __init__(self, optimizer: ChunkedOptimizer, manager: ChunkManager) -> None:
+        self._optimizer = optimizer
+        self._manager = manager
+        mode = manager.config.placement.optimizer_overlap
+        comm = manager.comm
+
+        def agree(values: list[float]) -> list[float]:
+            if not comm.distributed:
+                return values
+            return comm.all_reduce_max_(torch.tensor(values, dtype=torch.float64)).tolist()
+
+        self.schedule = ScheduleChooser(mode, agree=agree)
+        # optimizer_overlap="next_forward": the step's last families go on stepping after step() returns
+        self.tail = mode is OptimizerOverlap.NEXT_FORWARD and _tail_possible(manager)
+        self._groups: list[dict[str, Any]] | None = None  # the snapshot jobs of the coming step share
+
+    # ---- the hyper-parameters the jobs of one step read ------------------------------------------------------
+    def groups(self) -> list[dict[str, Any]]:
+        """A snapshot of the optimizer's param groups, taken once per step (nothing changes them between the
+        backward that starts a step's jobs and the step itself: [Note: stepping inside the backward])."""
+        if self._groups is None:
+            self._groups = snapshot_groups(self._optimizer.param_groups)
+        return self._groups
+
+    def step_ended(self) -> None:
+        """``optimizer.step()`` is over (applied or skipped): time it for the chooser, forget the snapshot."""
+        self._groups = None
+        manager = self._manager
+        measurable = manager.tracer.warmed_up and not manager.tracer.recording
+        if measurable:
+            residency = manager.residency
+            measurable = any(residency.optimizer_tier_of(f) is Tier.HOST for f in self._optimizer._families)
+        self.schedule.step_done(measurable=measurable)
+        manager.pipeline.schedule, manager.pipeline.trial_ms = self.schedule.chosen, self.schedule.trial_ms
+
+    # ---- the step inside the backward ------------------------------------------------------------------------
+    def arm_in_backward(self) -> bool:
+        """Let the coming backward start the step of each host-side family of this optimizer as soon as its
+        final gradients have all landed, where the engine's part of [Note: stepping inside the backward] holds
+        (the caller, the strategy, proved the rest). Returns whether it is armed; ``optimizer.step()`` (or
+        anything that reads weights, gradients or states first) finishes what it started."""
+        optimizer, manager = self._optimizer, self._manager
+        policy = optimizer.gradient_policy
+        if not self.schedule.pipelined or manager.tracer.recording or not manager.tracer.warmed_up:
+            return False
+        if manager.grads.accumulating or policy.check_finite or policy.clip_norm is not None:
+            return False
+        if policy.clip_value is not None or policy.inv_scale != 1.0 or not optimizer._book.is_adam:
+            return False
+        if not any(manager.residency.optimizer_tier_of(f) is Tier.HOST for f in optimizer._families):
+            return False
+        if manager.residency.device_budget is not None:
+            return False
+        self._groups = None  # a fresh snapshot: a scheduler stepped since the last step
+        manager.pipeline.hold_copies_back()
+        manager.grads.on_final = self._start_in_backward
+        return True
+
+    def _start_in_backward(self, family: ChunkFamily) -> bool:
+        """A family's final gradients all landed during the backward: start its host step if it is ours."""
+        optimizer = self._optimizer
+        if family.family_id not in optimizer._own_ids or not family.trainable:
+            return False
+        job = optimizer._host_job(family, 1.0)
+        if job is None:
+            return False
+        self._manager.pipeline.submit(job)
+        self._manager.pipeline.times.in_backward += 1
+        return True
+
+    # ---- the tail left in flight ("next_forward") ------------------------------------------------------------
+    def leave_in_flight(self) -> None:
+        """``optimizer_overlap="next_forward"``: return while jobs are in flight. Their parameters are parked until
+        the job is done ([Note: parked parameters] in ``host_step.py``: a read outside the engine fails loudly
+        instead of reading a half-updated weight); each job then points them back at their slots and forgets its
+        family's gradients, as ``zero_grad`` does for the families already done."""
+        manager = self._manager
+        manager.grads.on_final = None
+        manager.grads.stepped.clear()
+        own = self._optimizer._book.group_of
+        for fid in manager.pipeline.family_ids:
+            job = manager.pipeline.job(fid)
+            assert job is not None
+            family = manager.families[fid]
+            params = [record.param for record in family.records]
+            park(params)
+            job.before.append(functools.partial(_unpark_all, params))
+            ours = [r for r in family.records if r.index in own]
+            job.after.append(functools.partial(_settle_in_flight, manager, family, ours))
+        manager.tailing = manager.pipeline.busy
+
+
+def _tail_possible(manager: ChunkManager) -> bool:
+    """Whether ``optimizer_overlap="next_forward"`` can run as asked: one rank (several ranks gather owned chunks
+    as send buffers at any point of the next forward) and no compiled module (dynamo guards on the parameters at
+    the call, before a module's hook can wait); elsewhere it runs as "pipeline", said once here."""
+    why = ""
+    if manager.sharding.distributed:
+        why = "several ranks"
+    elif holds_compiled_code(manager.module):
+        why = "a compiled module"
+    if why:
+        log.warning("PatrickStar: optimizer_overlap='next_forward' runs as 'pipeline' with %s.", why)
+    return not why
+
+
+def _settle_in_flight(manager: ChunkManager, family: ChunkFamily, records: list[ParamRecord]) -> None:
+    """A job left in flight by ``step()`` is done: its parameters point at their slots again and its gradients are
+    forgotten (what ``zero_grad`` did for the other families)."""
+    for record in family.records:
+        manager.residency.point_at_chunk(record)
+    manager.grads.discard(records)
+
+
+def _unpark_all(params: Sequence[torch.Tensor]) -> None:
+    for param in params:
+        unpark(param)

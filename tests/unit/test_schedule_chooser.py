@@ -1,0 +1,87 @@
+"""``optimizer_overlap``'s schedule chooser ([Note: choosing the schedule] in ``optim/overlap.py``) on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pstar.config import OptimizerOverlap
+from lightning_pstar.optim.overlap import PIPELINE, SERIAL, ScheduleChooser
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(chooser: ScheduleChooser, clock: Clock, cost: dict[str, float], steps: int) -> list[str]:
+    """``steps`` optimizer steps, each taking ``cost`` seconds of the schedule it ran; returns the schedules."""
+    ran = []
+    for _ in range(steps):
+        schedule = chooser.current
+        ran.append(schedule)
+        clock.now += cost[schedule]
+        chooser.step_done(measurable=True)
+    return ran
+
+
+@pytest.mark.parametrize(("pipe", "serial", "kept"), [(0.05, 0.08, PIPELINE), (0.09, 0.06, SERIAL)])
+def test_auto_times_both_alternating_then_keeps_the_faster(pipe: float, serial: float, kept: str) -> None:
+    clock = Clock()
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, trials=3)
+    ran = _run(chooser, clock, {PIPELINE: pipe, SERIAL: serial}, 2 + 6 + 3)
+    # the first step only starts the clock, the second settles; then P, S alternating, then the kept one
+    assert ran == [PIPELINE] * 2 + [PIPELINE, SERIAL] * 3 + [kept] * 3
+    assert chooser.chosen == kept and chooser.pipelined is (kept == PIPELINE)
+    assert chooser.trial_ms == pytest.approx({PIPELINE: 1e3 * pipe, SERIAL: 1e3 * serial})
+
+
+def test_a_step_that_is_not_measurable_restarts_the_clock() -> None:
+    """Warm-up steps, and steps without host-side families, are not trials, nor is the cycle that follows them."""
+    clock = Clock()
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, trials=1)
+    clock.now += 10.0
+    chooser.step_done(measurable=False)  # the warm-up: a long step, never timed
+    for _ in range(2):
+        clock.now += 1.0
+        chooser.step_done(measurable=True)  # starts the clock, then settles
+    assert chooser.trial_ms == {}
+    clock.now += 0.5
+    chooser.step_done(measurable=True)  # the pipeline's trial
+    clock.now += 7.0
+    chooser.step_done(measurable=False)  # not a trial, and the next cycle starts the clock again
+    assert chooser.chosen is None and chooser.current == SERIAL
+    clock.now += 0.25
+    chooser.step_done(measurable=True)
+    clock.now += 0.25
+    chooser.step_done(measurable=True)  # the serial trial
+    assert chooser.trial_ms == {PIPELINE: 500.0, SERIAL: 250.0} and chooser.chosen == SERIAL
+
+
+def test_ranks_agree_on_the_slowest_rank_s_medians() -> None:
+    """The medians are reduced (max over ranks) before the choice: this rank found the pipeline faster, another
+    rank found it slower by more, and every rank keeps the serial step."""
+    seen = []
+
+    def agree(values: list[float]) -> list[float]:
+        seen.append(list(values))
+        return [values[0] + 1.0, values[1]]  # another rank's pipeline took a second longer
+
+    clock = Clock()
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, agree=agree, trials=2)
+    _run(chooser, clock, {PIPELINE: 0.1, SERIAL: 0.2}, 2 + 4)
+    assert seen == [[pytest.approx(0.1), pytest.approx(0.2)]]
+    assert chooser.chosen == SERIAL
+
+
+@pytest.mark.parametrize(
+    ("mode", "schedule"),
+    [(OptimizerOverlap.OFF, SERIAL), (OptimizerOverlap.PIPELINE, PIPELINE), (OptimizerOverlap.NEXT_FORWARD, PIPELINE)],
+)
+def test_fixed_modes_never_time(mode: OptimizerOverlap, schedule: str) -> None:
+    clock = Clock()
+    chooser = ScheduleChooser(mode, clock=clock)
+    assert _run(chooser, clock, {PIPELINE: 1.0, SERIAL: 2.0}, 12) == [schedule] * 12
+    assert chooser.trial_ms == {} and chooser.chosen == schedule
