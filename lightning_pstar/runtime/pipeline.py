@@ -38,8 +38,10 @@ when the job finishes ([Note: streams] in ``chunk.py``). On a CPU (the simulated
 ``copy_`` on its worker thread: torch releases the GIL inside it, as inside the fused Adam kernel, so the stages
 and the calling thread's compute run on different cores.
 
-A job that raises makes every later stage of it raise the same error; :meth:`StepPipeline.drain` waits for every
-job, finishes those that completed, and raises the first error.
+Each stage hands its job to the next stage's worker when it is done, so submitting a job is one hand-off on the
+calling thread (which, inside the backward, is the compute's critical path). A stage that raises ends its job
+there (its later stages do not run) and the error is the job's; :meth:`StepPipeline.drain` waits for every job,
+finishes those that completed, and raises the first error.
 """
 
 from __future__ import annotations
@@ -152,12 +154,11 @@ class StepPipeline:
         """Start ``job``'s stages on the workers; it is finished by :meth:`wait` or :meth:`drain`."""
         if job.family_id in self._jobs:
             raise RuntimeError(f"PatrickStar internal error: family {job.family_id} is already stepping")
-        d2h, adam, h2d = self._workers()
+        d2h = self._workers()[0]
         if self._copies_back_open:
             job._h2d_gate.set()
-        first = d2h.submit(self._timed, "d2h", job.d2h)
-        second = adam.submit(self._after, first, "adam", lambda: job.adam(self._scratch_for(job.scratch_numel)))
-        job._done = h2d.submit(self._after_gate, second, job)
+        job._done = Future()
+        d2h.submit(self._run_d2h, job)  # each stage hands the job to the next: one hand-off on this thread
         self._jobs[job.family_id] = job
 
     # ---- completion ----------------------------------------------------------------------------------------
@@ -242,12 +243,26 @@ class StepPipeline:
         finally:
             setattr(self.times, stage, getattr(self.times, stage) + perf_counter() - start)
 
-    def _after(self, previous: Future[None], stage: str, fn: Callable[[], None]) -> None:
-        previous.result()  # an earlier stage's error is this stage's
-        self._timed(stage, fn)
+    def _run_d2h(self, job: HostJob) -> None:
+        if self._stage(job, "d2h", job.d2h):
+            self._workers()[1].submit(self._run_adam, job)
 
-    def _after_gate(self, previous: Future[None], job: HostJob) -> None:
-        previous.result()
+    def _run_adam(self, job: HostJob) -> None:
+        if self._stage(job, "adam", lambda: job.adam(self._scratch_for(job.scratch_numel))):
+            self._workers()[2].submit(self._run_h2d, job)
+
+    def _run_h2d(self, job: HostJob) -> None:
         job._h2d_gate.wait()
-        if not job.skip_back:
-            self._timed("h2d", job.h2d)
+        if job.skip_back or self._stage(job, "h2d", job.h2d):
+            assert job._done is not None
+            job._done.set_result(None)
+
+    def _stage(self, job: HostJob, stage: str, fn: Callable[[], None]) -> bool:
+        """Run one stage of ``job`` (timed); an error ends the job with it (its later stages do not run)."""
+        try:
+            self._timed(stage, fn)
+        except BaseException as error:  # noqa: BLE001 - handed to the job's future, raised by _finish
+            assert job._done is not None
+            job._done.set_exception(error)
+            return False
+        return True

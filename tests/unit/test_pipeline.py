@@ -1,0 +1,106 @@
+"""The step pipeline's mechanics ([Note: the step pipeline] in ``runtime/pipeline.py``) with plain stage functions:
+stage order within a job, bookkeeping on the calling thread only, held copies back, errors."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_pstar.runtime.pipeline import HostJob, StepPipeline
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[int, str, str]] = []  # (family, stage, thread name)
+        self.lock = threading.Lock()
+
+    def stage(self, fid: int, name: str, fail: bool = False) -> Any:
+        def run(*args: Any) -> None:
+            with self.lock:
+                self.events.append((fid, name, threading.current_thread().name))
+            if fail:
+                raise OSError(f"stage {name} of family {fid} failed")
+
+        return run
+
+    def job(self, fid: int, *, fail: str = "") -> HostJob:
+        return HostJob(
+            family_id=fid,
+            d2h=self.stage(fid, "d2h", fail == "d2h"),
+            adam=self.stage(fid, "adam", fail == "adam"),
+            h2d=self.stage(fid, "h2d", fail == "h2d"),
+            finish=lambda copied_back, fid=fid: self.events.append(  # type: ignore[misc]
+                (fid, f"finish({copied_back})", threading.current_thread().name)
+            ),
+            scratch_numel=8,
+        )
+
+    def stages_of(self, fid: int) -> list[str]:
+        return [name for f, name, _ in self.events if f == fid]
+
+
+def test_each_job_runs_its_stages_in_order_on_the_workers_and_finishes_here() -> None:
+    log, pipeline = Log(), StepPipeline()
+    for fid in range(4):
+        pipeline.submit(log.job(fid))
+    assert pipeline.busy and pipeline.family_ids == [0, 1, 2, 3]
+    pipeline.drain()
+    me = threading.current_thread().name
+    for fid in range(4):
+        assert log.stages_of(fid) == ["d2h", "adam", "h2d", "finish(True)"]
+    for _, name, thread in log.events:
+        assert (thread == me) == name.startswith("finish"), (name, thread)
+    assert not pipeline.busy and pipeline.times.jobs == 4
+    pipeline.close()
+
+
+def test_copies_back_wait_until_the_backward_is_over() -> None:
+    log, pipeline = Log(), StepPipeline()
+    pipeline.hold_copies_back()
+    pipeline.submit(log.job(0))
+    done = threading.Event()
+    threading.Thread(target=lambda: (pipeline._jobs[0]._done.result(), done.set())).start()  # type: ignore[union-attr]
+    assert not done.wait(0.3)  # d2h and adam ran, the copy back waits for the gate
+    assert log.stages_of(0) == ["d2h", "adam"]
+    pipeline.open_copies_back()
+    assert done.wait(10)
+    pipeline.drain()
+    assert log.stages_of(0) == ["d2h", "adam", "h2d", "finish(True)"]
+    pipeline.close()
+
+
+def test_settling_off_the_device_skips_the_copy_back() -> None:
+    log, pipeline = Log(), StepPipeline()
+    pipeline.hold_copies_back()
+    pipeline.submit(log.job(0))
+    pipeline.settle_off_device([0])
+    assert log.stages_of(0) == ["d2h", "adam", "finish(False)"]
+    pipeline.close()
+
+
+@pytest.mark.parametrize("stage", ["d2h", "adam", "h2d"])
+def test_a_failing_stage_ends_its_job_and_the_others_finish(stage: str) -> None:
+    log, pipeline = Log(), StepPipeline()
+    pipeline.submit(log.job(0))
+    pipeline.submit(log.job(1, fail=stage))
+    pipeline.submit(log.job(2))
+    with pytest.raises(OSError, match=f"stage {stage} of family 1 failed"):
+        pipeline.drain()
+    order = ["d2h", "adam", "h2d"]
+    assert log.stages_of(1) == order[: order.index(stage) + 1]  # no later stage, no finish
+    for fid in (0, 2):
+        assert log.stages_of(fid) == [*order, "finish(True)"]
+    assert not pipeline.busy
+    pipeline.close()
+
+
+def test_scratch_is_fp32_and_grows() -> None:
+    pipeline = StepPipeline()
+    small = pipeline._scratch_for(4)
+    big = pipeline._scratch_for(16)
+    assert small.dtype == big.dtype == torch.float32 and big.numel() == 16
+    assert pipeline._scratch_for(8).data_ptr() == big.data_ptr()  # never shrunk, reused
+    pipeline.close()
