@@ -1,7 +1,9 @@
-"""An offloaded optimizer step against its stages: the serial step ("off") and the pipeline ("auto").
+"""An offloaded optimizer step against its stages: the serial step ("off"), the pipeline ("pipeline"), the measured
+choice between them ("auto") and the opt-in "next_forward".
 
-    python benchmarks/offload.py --json /tmp/offload.json          # the figures in README / docs/performance.md
-    python benchmarks/offload.py --quick                           # seconds: a check that it runs
+    python benchmarks/offload.py --json /tmp/offload.json                        # compute-heavy: 32 tokens per step
+    python benchmarks/offload.py --n-embd 512 --block 8 --json /tmp/adam.json    # host-Adam-heavy, as on a GPU
+    python benchmarks/offload.py --quick                                         # seconds: a check that it runs
 
 The demo GPT (``--n-layer`` x ``--n-embd``, fused AdamW) trains on the simulated device with every optimizer-state
 family on the host (``optimizer_placement="host"``, ZeRO-Offload style). The device's compute runs on the calling
@@ -19,8 +21,12 @@ Stages measured alone, in this process, on the same model (nothing else running,
   chunk to a host buffer; the gradient conversion, fused AdamW on the host and the compute-dtype write-back; the
   copy back), on copies of its chunks, one family after the other, summed over families.
 
-Targets (issue 27), checked for ``optimizer_overlap="auto"`` and for the opt-in ``"next_forward"`` (whose step's
-tail runs during the next forward): without clipping the step is at most 1.15x its longest stage (``compute`` =
+"auto" times a few steps of each schedule after the warm-up and keeps the faster ([Note: choosing the schedule] in
+``optim/overlap.py``): ``--warmup`` must cover those trials (the default does) so that its figure is the kept
+schedule's; the run's ``schedule`` says which it kept.
+
+Targets (issue 27), checked for "pipeline", "auto" and the opt-in "next_forward" (whose step's tail runs during
+the next forward): without clipping the step is at most 1.15x its longest stage (``compute`` =
 forward + backward, ``adam``, ``transfers`` = d2h + h2d); with clipping by norm at most 1.15x (backward + the
 longer of forward and adam), the most an exact schedule can overlap when the norm is known only at the end of the
 backward. "auto" ends the step before ``optimizer.step()`` returns, so it cannot overlap the next forward: where
@@ -201,6 +207,8 @@ def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, 
         **timer.medians(args.warmup),
         "host_step_jobs": report.host_step_jobs,
         "host_steps_in_backward": report.host_steps_in_backward,
+        "schedule": report.optimizer_schedule,
+        "trial_ms": report.schedule_trial_ms,
         "optimizer_tier": report.optimizer_tier,
         "num_params": report.num_params,
         "num_chunks": report.num_chunks,
@@ -246,8 +254,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--chunk-size", type=int, default=2**19, help="elements per chunk")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--warmup", type=int, default=4, help="steps not measured (the first is the engine's warm-up)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--warmup", type=int, default=16, help="steps not measured (the engine's warm-up, then auto's trials)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the device's compute")
     parser.add_argument("--clip", type=float, default=1.0, help="the clipping-by-norm value of the clipped runs")
     parser.add_argument("--probe-repeats", type=int, default=3)
@@ -255,14 +265,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 4, 2, 8192, 1
+        args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 18, 16, 8192, 1
     torch.set_num_threads(args.threads)
 
     compute = _fit(args, placement="device", overlap="off", clip=False)
     runs = [
         _fit(args, placement="host", overlap=overlap, clip=clip, probe=(overlap == "off" and not clip))
         for clip in (False, True)
-        for overlap in ("off", "auto", "next_forward")
+        for overlap in ("off", "pipeline", "auto", "next_forward")
     ]
     stages = runs[0]["stages_alone"]
     result = {
@@ -290,12 +300,14 @@ def _print(result: dict[str, Any]) -> None:
         "d2h": stages["d2h_ms"], "adam": stages["adam_ms"], "h2d": stages["h2d_ms"],
     }.items()))  # fmt: skip
     print(f"optimizer on the device: step {compute['step_ms']:.1f} ms")
-    print("| clip | overlap | step ms | forward | backward | step phase | in backward / jobs |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| clip | overlap | runs | step ms | forward | backward | step phase | in backward / jobs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in result["runs"]:
         jobs = f"{r['host_steps_in_backward']} / {r['host_step_jobs']}"
+        trials = ", ".join(f"{k} {v:.1f}" for k, v in r["trial_ms"].items())
+        runs = r["schedule"] + (f" (trials: {trials})" if trials else "")
         print(
-            f"| {'norm' if r['clip'] else 'no'} | {r['overlap']} | {r['step_ms']:.1f} | {r['forward_ms']:.1f}"
+            f"| {'norm' if r['clip'] else 'no'} | {r['overlap']} | {runs} | {r['step_ms']:.1f} | {r['forward_ms']:.1f}"
             f" | {r['backward_ms']:.1f} | {r['step_phase_ms']:.1f} | {jobs} |"
         )
     for t in result["targets"]:

@@ -28,10 +28,13 @@ the answer depends on the machine. On a GPU the pipeline hides host Adam and the
 compute. Where the "device" shares the host's cores and memory bandwidth (the simulated device of a CPU machine,
 or a host whose cores are busy with data loading), the pipeline's workers slow the very compute they overlap, and
 the serial step can be the faster (docs/performance.md has this machine's figures). So ``optimizer_overlap="auto"``
-measures instead of guessing: once the warm-up is over and one settling step has passed, it runs ``TRIALS``
-optimizer steps of each schedule, alternating and the pipelined one first, times each from the end of one
-``optimizer.step()`` to the end of the next (forward, backward and step: a step inside the backward changes the
-backward's time too), and keeps the schedule with the lower median for the rest of the run. At several ranks the
+measures instead of guessing: once the warm-up is over and one settling step has passed, it runs the two
+schedules in pairs of steps, alternating and the pipelined one first, times the second step of each pair from the
+end of one ``optimizer.step()`` to the end of the next (forward, backward and step: a step inside the backward
+changes the backward's time too), and after ``TRIALS`` timed steps of each keeps the schedule with the lower
+median for the rest of the run. Only the second step of a pair is timed because a step pays for the one before it:
+after a serial step the param chunks are on the host (the update ran there) and the next forward fetches them,
+while after a pipelined step they are on the device already. At several ranks the
 medians are max-reduced first, so every rank keeps the same schedule. A step without host-side families (the
 hybrid plan put every family on the device) is not a trial: nothing differs between the schedules there. The
 choice and the medians are in the memory report (``optimizer_schedule``, ``schedule_trial_ms``).
@@ -65,7 +68,8 @@ log = logging.getLogger(__name__)
 PIPELINE = "pipeline"
 SERIAL = "serial"
 TRIALS = 3
-"""Optimizer steps of each schedule that ``optimizer_overlap="auto"`` times before it keeps one."""
+"""Timed optimizer steps of each schedule that ``optimizer_overlap="auto"`` runs before it keeps one (each after an
+untimed step of the same schedule)."""
 
 
 class ScheduleChooser:
@@ -89,6 +93,7 @@ class ScheduleChooser:
         self._last: float | None = None  # the end of the last timed optimizer step
         self._settled = False  # the step after the warm-up (placement settles) is not timed
         self._times: dict[str, list[float]] = {PIPELINE: [], SERIAL: []}
+        self._trial_steps = 0  # steps run in pairs of one schedule: P P S S P P ...; the second of a pair is timed
         self.chosen: str | None = None
         if mode is OptimizerOverlap.OFF:
             self.chosen = SERIAL
@@ -104,8 +109,7 @@ class ScheduleChooser:
     def current(self) -> str:
         if self.chosen is not None:
             return self.chosen
-        done = len(self._times[PIPELINE]) + len(self._times[SERIAL])
-        return PIPELINE if done % 2 == 0 else SERIAL
+        return PIPELINE if (self._trial_steps // 2) % 2 == 0 else SERIAL
 
     @property
     def trial_ms(self) -> dict[str, float]:
@@ -124,7 +128,9 @@ class ScheduleChooser:
         if not self._settled:
             self._settled = True
             return
-        self._times[self.current].append(now - last)
+        if self._trial_steps % 2 == 1:
+            self._times[self.current].append(now - last)
+        self._trial_steps += 1
         if min(len(v) for v in self._times.values()) >= self._trials:
             self._decide()
 

@@ -239,9 +239,9 @@ def test_a_gradient_after_the_family_started_its_step_raises() -> None:
 def test_auto_keeps_the_faster_schedule_it_timed() -> None:
     """``"auto"`` times both schedules after the warm-up and keeps the faster; the run's bits are the serial step's
     whichever it keeps, and steps of both schedules ran: after the warm-up, two untimed pipelined steps (the first
-    ends the warm-up's cycle, the second lets placement settle), ``TRIALS`` of each schedule alternating, then the
-    kept one ([Note: choosing the schedule] in optim/overlap.py)."""
-    steps = 1 + 2 + 2 * TRIALS + 1
+    ends the warm-up's cycle, the second lets placement settle), ``TRIALS`` pairs of each schedule alternating,
+    then the kept one ([Note: choosing the schedule] in optim/overlap.py)."""
+    steps = 1 + 2 + 4 * TRIALS + 1
     runs, reports = [], []
     for overlap in ("off", "pipeline", "auto"):
         peek = Peek()
@@ -260,5 +260,5 @@ def test_auto_keeps_the_faster_schedule_it_timed() -> None:
     assert auto.optimizer_schedule == faster
     families = piped.host_steps_in_backward // (steps - 1)
     assert families > 0 and piped.host_steps_in_backward == families * (steps - 1)
-    pipelined = 2 + TRIALS + (1 if faster == "pipeline" else 0)
+    pipelined = 2 + 2 * TRIALS + (1 if faster == "pipeline" else 0)
     assert auto.host_steps_in_backward == families * pipelined

@@ -31,9 +31,9 @@ def _run(chooser: ScheduleChooser, clock: Clock, cost: dict[str, float], steps: 
 def test_auto_times_both_alternating_then_keeps_the_faster(pipe: float, serial: float, kept: str) -> None:
     clock = Clock()
     chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, trials=3)
-    ran = _run(chooser, clock, {PIPELINE: pipe, SERIAL: serial}, 2 + 6 + 3)
-    # the first step only starts the clock, the second settles; then P, S alternating, then the kept one
-    assert ran == [PIPELINE] * 2 + [PIPELINE, SERIAL] * 3 + [kept] * 3
+    ran = _run(chooser, clock, {PIPELINE: pipe, SERIAL: serial}, 2 + 12 + 3)
+    # the first step only starts the clock, the second settles; then pairs P P S S ..., then the kept one
+    assert ran == [PIPELINE] * 2 + [PIPELINE, PIPELINE, SERIAL, SERIAL] * 3 + [kept] * 3
     assert chooser.chosen == kept and chooser.pipelined is (kept == PIPELINE)
     assert chooser.trial_ms == pytest.approx({PIPELINE: 1e3 * pipe, SERIAL: 1e3 * serial})
 
@@ -48,15 +48,17 @@ def test_a_step_that_is_not_measurable_restarts_the_clock() -> None:
         clock.now += 1.0
         chooser.step_done(measurable=True)  # starts the clock, then settles
     assert chooser.trial_ms == {}
-    clock.now += 0.5
-    chooser.step_done(measurable=True)  # the pipeline's trial
+    for cost in (0.9, 0.5):  # the pipeline's pair: the second is timed
+        clock.now += cost
+        chooser.step_done(measurable=True)
     clock.now += 7.0
     chooser.step_done(measurable=False)  # not a trial, and the next cycle starts the clock again
     assert chooser.chosen is None and chooser.current == SERIAL
     clock.now += 0.25
-    chooser.step_done(measurable=True)
-    clock.now += 0.25
-    chooser.step_done(measurable=True)  # the serial trial
+    chooser.step_done(measurable=True)  # starts the clock
+    for cost in (0.75, 0.25):  # the serial pair
+        clock.now += cost
+        chooser.step_done(measurable=True)
     assert chooser.trial_ms == {PIPELINE: 500.0, SERIAL: 250.0} and chooser.chosen == SERIAL
 
 
@@ -71,7 +73,7 @@ def test_ranks_agree_on_the_slowest_rank_s_medians() -> None:
 
     clock = Clock()
     chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, agree=agree, trials=2)
-    _run(chooser, clock, {PIPELINE: 0.1, SERIAL: 0.2}, 2 + 4)
+    _run(chooser, clock, {PIPELINE: 0.1, SERIAL: 0.2}, 2 + 8)
     assert seen == [[pytest.approx(0.1), pytest.approx(0.2)]]
     assert chooser.chosen == SERIAL
 
