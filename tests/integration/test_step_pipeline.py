@@ -262,3 +262,28 @@ def test_auto_keeps_the_faster_schedule_it_timed() -> None:
     assert families > 0 and piped.host_steps_in_backward == families * (steps - 1)
     pipelined = 2 + 2 * TRIALS + (1 if faster == "pipeline" else 0)
     assert auto.host_steps_in_backward == families * pipelined
+
+
+@pytest.mark.parametrize(
+    ("precision", "kwargs", "options"),
+    [
+        ("bf16-mixed", {"gradient_clip_val": 0.05}, {}),
+        ("16-mixed", {}, {}),
+        ("32-true", {"accumulate_grad_batches": 2}, {}),
+        ("bf16-mixed", {}, {"device_memory_limit": "400KiB"}),
+    ],
+)
+def test_auto_switching_schedules_mid_run_keeps_the_bits(
+    precision: str, kwargs: dict[str, Any], options: dict[str, Any]
+) -> None:
+    """While "auto" times both schedules it switches between them every second step (the param chunks move from
+    the host back to the device and the other way): the serial step's bits all along."""
+    steps = 1 + 2 + 4 * TRIALS + 1
+    runs = []
+    for overlap in ("off", "auto"):
+        strategy = PatrickStarStrategy(optimizer_overlap=overlap, **HOST, **options)
+        if precision == "16-mixed":
+            kwargs["plugins"] = [PatrickStarPrecision("16-mixed")]
+        runs.append(fit_steps(_gpt(), strategy, precision=precision, steps=steps, **kwargs))
+    assert runs[1].losses == runs[0].losses
+    assert_states_equal(runs[1].final, runs[0].final, what=f"auto against off, {precision}, {kwargs}")
