@@ -53,7 +53,7 @@ class OptimizerOverlap(_ValueEnum):
     PIPELINE = "pipeline"
     """Gradient copies, host Adam and parameter copies of different families run at once on worker threads, and
     where nothing can read or change gradients between the backward and the step (Trainer, automatic
-    optimization, no clipping, no fp16 loss scaling, no hook overridden between them, no device budget) a family
+    optimization, no clipping, no fp16 loss scaling, no hook overridden between them) a family
     steps while the backward goes on, as soon as its gradients are final. The step is over when
     ``optimizer.step()`` returns."""
     OFF = "off"

@@ -2,23 +2,24 @@
 
 [Note: stepping inside the backward]
 With the pipelined schedule a host-side family may step while the backward is still running: as soon as every
-trainable parameter of the family has its final gradient of this backward (one rank: the family's gradients
-landed together, [Note: gradients land per family]; several ranks: its reduced share was stored), the strategy's
-armed optimizer submits the family's job to the step pipeline ([Note: the step pipeline] in
-runtime/pipeline.py). That is exact only where nothing can read or change a gradient between the backward and
-``optimizer.step()``, and nothing needs all gradients first. The strategy proves the first part (Trainer,
-automatic optimization with one optimizer, no gradient clipping configured, and none of ``on_after_backward``,
-``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step`` or ``backward`` overridden in
-the LightningModule, nor the first two in any callback); :meth:`StepOverlap.arm_in_backward` checks the engine's
-part (the warm-up is over, so its checks before the first step have run; the micro-batch is the last of an
-accumulation; no clipping, no fp16 loss scaling; no device budget, whose backward may need the room the stepping
-families hold). Fabric never arms it: user code runs between ``fabric.backward`` and ``optimizer.step``. A
-gradient that reaches a family whose step started (a parameter used in two reentrant checkpointed segments)
-raises, naming the parameter, instead of being lost. A backward that raises after some families started leaves
-those families stepped (their states cannot be rolled back); the run is failing then, and nothing is saved from
-it by the engine. The jobs hold back their parameter copies to the device until the backward is over, so
-autograd never reads a weight that changes under it; ``optimizer.step()`` starts the families that did not step
-yet and returns once every job is finished. Every reader of weights, gradients or states outside the step
+trainable parameter of the family has its final gradient of this backward (one rank: the family's gradients landed
+together, [Note: gradients land per family]; several ranks: its reduced share was stored), the strategy's armed
+optimizer submits the family's job to the step pipeline ([Note: the step pipeline] in runtime/pipeline.py). That is
+exact only where nothing can read or change a gradient between the backward and ``optimizer.step()``, and nothing
+needs all gradients first. The strategy proves the first part (Trainer, automatic optimization with one optimizer,
+no gradient clipping configured, and none of ``on_after_backward``, ``on_before_optimizer_step``,
+``configure_gradient_clipping``, ``optimizer_step`` or ``backward`` overridden in the LightningModule, nor the first
+two in any callback); :meth:`StepOverlap.arm_in_backward` checks the engine's part (the warm-up is over, so its
+checks before the first step have run; the micro-batch is the last of an accumulation; no clipping, no fp16 loss
+scaling). Under a device budget the backward may need the room a stepping family's param chunk holds: that family's
+job then ends without its copy back (its updated parameters stay in the host buffer, where a serial step leaves
+them: ``StepPipeline.settle_off_device``). Fabric never arms it: user code runs between ``fabric.backward`` and
+``optimizer.step``. A gradient that reaches a family whose step started (a parameter used in two reentrant
+checkpointed segments) raises, naming the parameter, instead of being lost. A backward that raises after some
+families started leaves those families stepped (their states cannot be rolled back); the run is failing then, and
+nothing is saved from it by the engine. The jobs hold back their parameter copies to the device until the backward
+is over, so autograd never reads a weight that changes under it; ``optimizer.step()`` starts the families that did
+not step yet and returns once every job is finished. Every reader of weights, gradients or states outside the step
 (zero_grad, state dicts, evaluation, a load, the report, teardown) finishes the jobs in flight first
 (``ChunkManager.finish_steps``).
 
@@ -200,8 +201,6 @@ class StepOverlap:
         if policy.clip_value is not None or policy.inv_scale != 1.0 or not optimizer._book.is_adam:
             return False
         if not any(manager.residency.optimizer_tier_of(f) is Tier.HOST for f in optimizer._families):
-            return False
-        if manager.residency.device_budget is not None:
             return False
         self._groups = None  # a fresh snapshot: a scheduler stepped since the last step
         manager.pipeline.hold_copies_back()

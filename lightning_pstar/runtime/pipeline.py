@@ -39,7 +39,10 @@ when the job finishes ([Note: streams] in ``chunk.py``). On a CPU (the simulated
 and the calling thread's compute run on different cores.
 
 Each stage hands its job to the next stage's worker when it is done, so submitting a job is one hand-off on the
-calling thread (which, inside the backward, is the compute's critical path). A stage that raises ends its job
+calling thread (which, inside the backward, is the compute's critical path). A job whose copy back is held waits
+outside every queue (never in the H2D worker), so that one family can be settled off the device
+(:meth:`StepPipeline.settle_off_device`) or finished for a reader (:meth:`StepPipeline.wait`) while the copies back
+of the families submitted before it are still held. A stage that raises ends its job
 there (its later stages do not run) and the error is the job's; :meth:`StepPipeline.drain` waits for every job,
 finishes those that completed, and raises the first error.
 """
@@ -90,7 +93,7 @@ class HostJob:
     after: list[Callable[[], None]] = field(default_factory=list)  # ... and after it
     skip_back: bool = False  # the H2D stage does not run: the family's param chunk goes to the host instead
     _done: Future[None] | None = field(default=None, repr=False)
-    _h2d_gate: threading.Event = field(default_factory=threading.Event, repr=False)
+    _back_open: bool = field(default=False, repr=False)  # its H2D stage may run (under the pipeline's lock)
 
 
 class StepPipeline:
@@ -101,6 +104,8 @@ class StepPipeline:
         self._jobs: dict[int, HostJob] = {}  # family id -> job in flight, in submission order
         self._scratch: torch.Tensor | None = None  # fp32, owned by the Adam stage
         self._copies_back_open = True
+        self._lock = threading.Lock()  # guards the hand-over from the Adam stage to the H2D stage
+        self._held: list[HostJob] = []  # jobs past their Adam stage whose H2D stage waits for the backward's end
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.times = StageTimes()
         # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
@@ -146,17 +151,20 @@ class StepPipeline:
 
     def open_copies_back(self) -> None:
         """Let every held H2D stage run (the backward is over: the device bytes are no longer read by autograd)."""
-        self._copies_back_open = True
-        for job in self._jobs.values():
-            job._h2d_gate.set()
+        with self._lock:
+            self._copies_back_open = True
+            for job in self._jobs.values():
+                job._back_open = True
+            held, self._held = self._held, []
+            for job in held:
+                self._workers()[2].submit(self._run_h2d, job)
 
     def submit(self, job: HostJob) -> None:
         """Start ``job``'s stages on the workers; it is finished by :meth:`wait` or :meth:`drain`."""
         if job.family_id in self._jobs:
             raise RuntimeError(f"PatrickStar internal error: family {job.family_id} is already stepping")
         d2h = self._workers()[0]
-        if self._copies_back_open:
-            job._h2d_gate.set()
+        job._back_open = self._copies_back_open
         job._done = Future()
         d2h.submit(self._run_d2h, job)  # each stage hands the job to the next: one hand-off on this thread
         self._jobs[job.family_id] = job
@@ -167,7 +175,11 @@ class StepPipeline:
         job = self._jobs.get(family_id)
         if job is None:
             return
-        job._h2d_gate.set()  # a reader needs it now
+        with self._lock:  # a reader needs it now: its copy back may run
+            job._back_open = True
+            if job in self._held:
+                self._held.remove(job)
+                self._workers()[2].submit(self._run_h2d, job)
         self._finish(job)
 
     def settle_off_device(self, family_ids: list[int]) -> None:
@@ -178,8 +190,15 @@ class StepPipeline:
             job = self._jobs.get(fid)
             if job is None:
                 continue
-            job.skip_back = True
-            job._h2d_gate.set()
+            with self._lock:
+                if job in self._held:  # past its Adam stage: done, without the copy back
+                    self._held.remove(job)
+                    job.skip_back = True
+                    assert job._done is not None
+                    job._done.set_result(None)
+                elif not job._back_open:  # still in its D2H or Adam stage: it ends after Adam
+                    job.skip_back = True
+                # else its copy back is queued or running (a reader opened it): it finishes as usual
             self._finish(job)
 
     def drain(self, *, only: set[int] | None = None) -> None:
@@ -248,12 +267,19 @@ class StepPipeline:
             self._workers()[1].submit(self._run_adam, job)
 
     def _run_adam(self, job: HostJob) -> None:
-        if self._stage(job, "adam", lambda: job.adam(self._scratch_for(job.scratch_numel))):
-            self._workers()[2].submit(self._run_h2d, job)
+        if not self._stage(job, "adam", lambda: job.adam(self._scratch_for(job.scratch_numel))):
+            return
+        assert job._done is not None
+        with self._lock:  # the H2D stage's worker never waits for a gate: a held job waits here, in no queue
+            if job.skip_back:
+                job._done.set_result(None)
+            elif job._back_open:
+                self._workers()[2].submit(self._run_h2d, job)
+            else:
+                self._held.append(job)
 
     def _run_h2d(self, job: HostJob) -> None:
-        job._h2d_gate.wait()
-        if job.skip_back or self._stage(job, "h2d", job.h2d):
+        if self._stage(job, "h2d", job.h2d):
             assert job._done is not None
             job._done.set_result(None)
 

@@ -150,10 +150,11 @@ def test_manual_optimization() -> None:
 
 
 def test_tight_device_budget() -> None:
-    """Param chunks evicted and fetched around a pipelined step: the jobs' families are never evicted under them."""
+    """Param chunks evicted and fetched around a pipelined step started inside the backward: a family whose room the
+    budgeted backward needs ends its step without the copy back; the serial step's bits."""
     _, (serial, pipelined) = _pair(_gpt, "bf16-mixed", options={"device_memory_limit": "400KiB"})
     assert serial.evictions > 0 and pipelined.evictions > 0
-    assert pipelined.host_step_jobs > 0 and pipelined.host_steps_in_backward == 0  # a budget: after the backward
+    assert pipelined.host_step_jobs > 0 and pipelined.host_steps_in_backward > 0
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "next_forward"])

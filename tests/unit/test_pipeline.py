@@ -104,3 +104,29 @@ def test_scratch_is_fp32_and_grows() -> None:
     assert small.dtype == big.dtype == torch.float32 and big.numel() == 16
     assert pipeline._scratch_for(8).data_ptr() == big.data_ptr()  # never shrunk, reused
     pipeline.close()
+
+
+def test_one_family_settles_or_finishes_while_earlier_copies_back_are_held() -> None:
+    """A budgeted backward needs the room of one stepping family (settled off the device), or a reader needs one
+    family's weights, while the copies back of families submitted before it are still held: neither waits for
+    them (a held job waits in no worker's queue)."""
+    log, pipeline = Log(), StepPipeline()
+    pipeline.hold_copies_back()
+    for fid in range(4):
+        pipeline.submit(log.job(fid))
+    finished = threading.Event()
+
+    def settle_and_wait() -> None:
+        pipeline.settle_off_device([2])
+        pipeline.wait(3)
+        finished.set()
+
+    threading.Thread(target=settle_and_wait, daemon=True).start()
+    assert finished.wait(10), "settling family 2 or finishing family 3 waited for the held families 0 and 1"
+    assert log.stages_of(2) == ["d2h", "adam", "finish(False)"]
+    assert log.stages_of(3) == ["d2h", "adam", "h2d", "finish(True)"]
+    assert pipeline.family_ids == [0, 1] and log.stages_of(0) == ["d2h", "adam"]
+    pipeline.drain()
+    for fid in (0, 1):
+        assert log.stages_of(fid) == ["d2h", "adam", "h2d", "finish(True)"]
+    pipeline.close()
