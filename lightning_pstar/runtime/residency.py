@@ -18,11 +18,10 @@ from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.inflight import EvictionsInFlight
-from lightning_pstar.runtime.lookahead import LookaheadState, plan_prefetch
 from lightning_pstar.runtime.pinned import host_arena
-from lightning_pstar.runtime.placement import AutoPlacement, PlacementPolicy
-from lightning_pstar.runtime.state import ChunkState, Tier
-from lightning_pstar.runtime.tracer import MomentKind
+from lightning_pstar.runtime.placement import PlacementPolicy
+from lightning_pstar.runtime.prefetch import Prefetcher
+from lightning_pstar.runtime.state import Tier
 from lightning_pstar.runtime.yardstick import Bounds
 
 __all__ = ["Residency"]
@@ -84,12 +83,8 @@ class Residency:
         self.repoint = False  # parameters follow their chunk's moves (off while materialising)
         self._tick = 0
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: every fetch and eviction copies on it
-        # [Note: fetch and prefetch] in lookahead.py: "lookahead" (by bytes, along the trace), "next" (the next
-        # moment's chunks into free room only) or "off"
-        self.prefetch_mode = "lookahead"
-        self._ahead: dict[int, int] = {}  # prefetched family -> the trace moment it is due (until it is used)
-        self._evicting = EvictionsInFlight()  # CUDA: evictions whose copy has not ended (their blocks are held)
-        self._owns_all: bool | None = None  # one rank owns every family (the lookahead plans only then)
+        self.evicting = EvictionsInFlight()  # CUDA: evictions whose copy has not ended (their blocks are held)
+        self.prefetcher = Prefetcher(self)  # [Note: fetch and prefetch] in lookahead.py
         self.setup_peak_device_bytes = 0  # chunks plus materialisation temporaries, at their highest in setup
         # [Note: clean evictions] in chunk.py: fetched param chunks keep their host bytes while the host budget
         # allows, so that evicting them again copies nothing
@@ -182,11 +177,11 @@ class Residency:
         stream = self.copy_stream() if asynchronous or tier is Tier.HOST else None
         chunk.move_to(tier, stream=stream, keep_host_copy=keep)
         if tier is Tier.HOST:
-            if self._ahead.pop(family.family_id, None) is not None:
+            if self.prefetcher.ahead.pop(family.family_id, None) is not None:
                 self.stats.prefetches_wasted += 1  # prefetched, then evicted before its moment
             event = chunk.copy_event
             if event is not None:  # its device block is reusable once the copy ends
-                self._evicting.add(event, chunk.nbytes)
+                self.evicting.add(event, chunk.nbytes)
         if self.repoint:  # a fetch in flight: once it is waited on ([Note: fetch and prefetch] in lookahead.py)
             chunk.on_landed(lambda: self._point_family(family))
         if chunk.has_host_copy:
@@ -313,7 +308,7 @@ class Residency:
         room = self.chunk_room()
         if room is None:
             return
-        evicting = self._evicting
+        evicting = self.evicting
         missing = self.device_used() + evicting.held() + nbytes - room
         if missing > 0 and evicting.held():  # blocks of evictions in flight: reusable once their copies end
             missing -= evicting.settle(missing)
@@ -330,8 +325,9 @@ class Residency:
             and self.owns(f)  # remote chunks are released, never evicted
         ]
         # chunks prefetched for a later moment count as kept until it ([Note: fetch and prefetch] in lookahead.py)
-        victims = self.policy.victims([c for c in candidates if c.chunk_id not in self._ahead], missing)
-        if sum(v.nbytes for v in victims) < missing and self._ahead:
+        ahead = self.prefetcher.ahead
+        victims = self.policy.victims([c for c in candidates if c.chunk_id not in ahead], missing)
+        if sum(v.nbytes for v in victims) < missing and ahead:
             victims = self.policy.victims(candidates, missing)
         if sum(v.nbytes for v in victims) < missing and self.stepping and self.finish_stepping is not None:
             self.finish_stepping()  # families whose step is in flight may be evicted once it is done
@@ -410,7 +406,8 @@ class Residency:
             return  # resident, and without a budget nothing is ever evicted: the policy's use record is unread
         self._tick += 1
         self.policy.touch(chunk, self._tick)
-        if self._ahead and self._ahead.pop(family.family_id, None) is not None:
+        ahead = self.prefetcher.ahead
+        if ahead and ahead.pop(family.family_id, None) is not None:
             self.stats.prefetch_hits += 1
         if chunk.tier is Tier.DEVICE:
             chunk.wait()  # a prefetch may still be in flight: the compute stream waits on its event
@@ -423,99 +420,14 @@ class Residency:
         chunk.wait()
 
     def prefetch(self) -> None:
-        """Fetch chunks ahead of their moments, as ``prefetch_mode`` says ([Note: fetch and prefetch] in
-        lookahead.py)."""
-        if not self.stats.param_chunks_on_host or self.prefetch_mode == "off":
-            return  # every param chunk is on the device or released: nothing to bring (the common case)
-        if self.prefetch_mode == "lookahead" and self.device_budget is not None:
-            state = self._lookahead_state()
-            if state is not None:
-                self._prefetch_ahead(state)
-                return
-        self._prefetch_next()
-
-    def _prefetch_next(self) -> None:
-        """The next moment's chunks, when they fit this moment's free room and the next one's, evicting nothing."""
-        fids = self.policy.prefetch()
-        if not fids:
-            return
-        families = self.families
-        wanted = [fid for fid in fids if families[fid].param_chunk.tier is not _DEVICE and self.owns(families[fid])]
-        if not wanted:
-            return
-        room = self.chunk_room()
-        room_next = self.policy.next_chunk_room(self.device_budget, self.min_device_bytes)
-        if room is not None and room_next is not None:
-            room = min(room, room_next)
-        for fid in wanted:
-            chunk = self.families[fid].param_chunk
-            if room is not None and self.device_used() + self._evicting.held() + chunk.nbytes > room:
-                return
-            if chunk.tier is Tier.HOST:
-                self._start_prefetch(fid, due=-1, lead=1)
-
-    def _start_prefetch(self, fid: int, *, due: int, lead: int) -> None:
-        with torch.profiler.record_function("pstar::prefetch"):
-            self.move_param_chunk(self.families[fid], Tier.DEVICE, asynchronous=True)
-        self.stats.prefetches += 1
-        self.stats.prefetch_lead_moments += lead
-        self._ahead[fid] = due
-
-    def _lookahead_state(self) -> LookaheadState | None:
-        """The planner's view of now (None where it does not plan: several ranks, or off the trace)."""
-        policy = self.policy
-        room = self.chunk_room()
-        if not isinstance(policy, AutoPlacement) or room is None or not self._single_rank():
-            return None
-        view = policy.lookahead_view()
-        if view is None:
-            return None
-        trace, cursor, keep = view
-        budget = self.device_budget
-        assert budget is not None
-        families = self.families
-        held = frozenset(self.pinned | self.stepping)
-        on_device = [f for f in families if _PARAM in f.chunks and f.param_chunk.tier is _DEVICE]
-        return LookaheadState(
-            cursor=cursor,
-            families=[m.families for m in trace.moments],
-            rooms=[budget - m.non_model_bytes for m in trace.moments],
-            stops=frozenset(i for i, m in enumerate(trace.moments) if m.kind is MomentKind.STEP),
-            sizes={f.family_id: f.param_chunk.nbytes for f in families if _PARAM in f.chunks},
-            resident=frozenset(f.family_id for f in on_device if f.family_id not in held),
-            busy=frozenset(f.family_id for f in on_device if f.param_chunk.state is ChunkState.COMPUTE),
-            on_host=frozenset(f.family_id for f in families if _PARAM in f.chunks and f.param_chunk.tier is Tier.HOST),
-            used=self.device_used() + self._evicting.held(),
-            room_now=room,
-            keep=keep,
-            clean=frozenset(f.family_id for f in on_device if f.param_chunk.host_copy_current),
-            ahead=dict(self._ahead),
-            next_use=trace.next_use,
-        )
-
-    def _prefetch_ahead(self, state: LookaheadState) -> None:
-        """Perform the lookahead plan: its early evictions, then its fetches while they fit the room now (on CUDA
-        an eviction's block is reusable only once its copy ends: a fetch that does not fit yet waits for a later
-        moment's plan, never for the copy)."""
-        plan = plan_prefetch(state)
-        for fid in plan.evict:
-            self.move_param_chunk(self.families[fid], Tier.HOST)
-            self.stats.early_evictions += 1
-        room = state.room_now
-        for fid, due in plan.fetch:
-            if self.device_used() + self._evicting.held() + self.families[fid].param_chunk.nbytes > room:
-                return
-            self._start_prefetch(fid, due=due, lead=(due - state.cursor) % len(state.families))
+        """Fetch chunks ahead of their moments ([Note: fetch and prefetch] in lookahead.py)."""
+        if self.stats.param_chunks_on_host:  # else every param chunk is on the device: nothing to bring
+            self.prefetcher.run()
 
     @property
     def eviction_waits(self) -> int:
         """CPU waits for an eviction's copy (CUDA: a fetch needed its block)."""
-        return self._evicting.waits
-
-    def _single_rank(self) -> bool:
-        if self._owns_all is None:  # ownership is fixed at setup
-            self._owns_all = all(self.owns(f) for f in self.families)
-        return self._owns_all
+        return self.evicting.waits
 
     # ---- the optimizer's side ----------------------------------------------------------------------------
     def plan_hybrid_optimizer(self, peak_non_model: int) -> None:

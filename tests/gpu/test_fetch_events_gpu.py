@@ -79,9 +79,9 @@ def test_an_eviction_holds_its_block_until_its_copy_ends() -> None:
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # the eviction's copy waits for this compute
     residency.move_param_chunk(family, Tier.HOST)
-    assert residency._evicting.held() == family.param_chunk.nbytes
+    assert residency.evicting.held() == family.param_chunk.nbytes
     torch.cuda.synchronize()
-    assert residency._evicting.held() == 0
+    assert residency.evicting.held() == 0
 
 
 class _Module(L.LightningModule):
@@ -113,7 +113,7 @@ class _Mode(L.Callback):
         self.mode = mode
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy.chunk_manager.residency.prefetch_mode = self.mode  # type: ignore[attr-defined]
+        trainer.strategy.chunk_manager.residency.prefetcher.mode = self.mode  # type: ignore[attr-defined]
 
 
 def _fit(budget: Any, mode: str) -> tuple[list[float], Any]:

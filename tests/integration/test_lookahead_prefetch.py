@@ -45,7 +45,7 @@ class PrefetchMode(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         manager = trainer.strategy.chunk_manager
-        manager.residency.prefetch_mode = self.mode
+        manager.residency.prefetcher.mode = self.mode
         self.param_chunk_bytes = sum(f.param_chunk.nbytes for f in manager.families)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
