@@ -36,18 +36,29 @@ class Prefetcher:
 
     def __init__(self, residency: Residency) -> None:
         self.residency = residency
-        self.mode = "lookahead"
+        self._mode = "lookahead"
         self.ahead: dict[int, int] = {}  # prefetched family -> the trace moment it is due (until it is used)
         self._owns_all: bool | None = None  # one rank owns every family (the lookahead plans only then)
         # per trace and budget (fixed after the warm-up): families, rooms and stops of every moment, chunk sizes
         self._static: tuple[int, int, Sequence[tuple[int, ...]], list[int], frozenset[int], dict[int, int]] | None
         self._static = None
 
+    @property
+    def mode(self) -> str:
+        """One of :data:`PREFETCH_MODES` (internal: the tests compare the three)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in PREFETCH_MODES:
+            raise ValueError(f"prefetch mode must be one of {list(PREFETCH_MODES)}, got {value!r}")
+        self._mode = value
+
     def run(self) -> None:
         """Prefetch now, as :attr:`mode` says (called after a training moment's own fetches)."""
-        if self.mode == "off":
+        if self._mode == "off":
             return
-        if self.mode == "lookahead" and self.residency.device_budget is not None:
+        if self._mode == "lookahead" and self.residency.device_budget is not None:
             state = self._state()
             if state is not None:
                 self._perform(state)

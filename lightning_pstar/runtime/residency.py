@@ -402,13 +402,13 @@ class Residency:
     def fetch(self, family: ChunkFamily, *, protect: set[int]) -> None:
         """Make ``family``'s param chunk resident on DEVICE, evicting others if the budget requires."""
         chunk = family.param_chunk
+        ahead = self.prefetcher.ahead
+        if ahead and ahead.pop(family.family_id, None) is not None:
+            self.stats.prefetch_hits += 1
         if self.device_budget is None and chunk.ready:
             return  # resident, and without a budget nothing is ever evicted: the policy's use record is unread
         self._tick += 1
         self.policy.touch(chunk, self._tick)
-        ahead = self.prefetcher.ahead
-        if ahead and ahead.pop(family.family_id, None) is not None:
-            self.stats.prefetch_hits += 1
         if chunk.tier is Tier.DEVICE:
             chunk.wait()  # a prefetch may still be in flight: the compute stream waits on its event
             return
