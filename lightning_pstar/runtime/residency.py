@@ -156,6 +156,9 @@ class Residency:
         chunk = chunks[_PARAM]
         if record.grad_in_param_slot:
             chunk = chunks.get(_MASTER, chunk)
+        if chunk.pending and chunk.tier is _DEVICE:  # never into bytes still being copied: once the copy is waited on
+            chunk.on_landed(lambda: self._point_family(record.family))  # ([Note: fetch and prefetch], lookahead.py)
+            return
         record.param.data = chunk.buffer_view(record.slot)  # taken once per buffer: [Note: cached views]
 
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
@@ -182,8 +185,8 @@ class Residency:
             event = chunk.copy_event
             if event is not None:  # its device block is reusable once the copy ends
                 self.evicting.add(event, chunk.nbytes)
-        if self.repoint:  # a fetch in flight: once it is waited on ([Note: fetch and prefetch] in lookahead.py)
-            chunk.on_landed(lambda: self._point_family(family))
+        if self.repoint:  # a fetch in flight: once it is waited on (point_at_chunk)
+            self._point_family(family)
         if chunk.has_host_copy:
             self._param_versions[family.family_id] = tuple(r.param._version for r in family.records)
 

@@ -92,6 +92,7 @@ def test_parameters_point_at_the_device_only_once_the_compute_stream_waited(
     residency.move_param_chunk(family, Tier.DEVICE, asynchronous=True)  # a prefetch: its copy is in flight
     assert chunk.pending and stream.waited == []
     for record in family.records:  # a read the engine does not see gets the host bytes, never the device's
+        residency.point_at_chunk(record)  # any path that re-points a parameter waits for the copy too
         assert _points_into(record.param, chunk.host_buffer)
 
     residency.fetch(family, protect=set())  # the module that needs it
