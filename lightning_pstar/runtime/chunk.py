@@ -57,11 +57,13 @@ memory used across streams (``torch.cuda.Stream.wait_stream``, ``Tensor.record_s
    The same wait orders an eviction after the kernels that last wrote the chunk.
 2. A device block freed (``resize_(0)``) while a copy may still read or write it is first marked with
    ``record_stream(copy)``: the allocator then reuses it only after the copy stream's work queued so far
-   is done. Evictions free their device source this way without waiting on the CPU.
+   is done. Evictions free their device source this way without waiting on the CPU; the block counts against
+   the device budget until the copy ends, and a fetch that needs its room waits for that (``runtime/inflight.py``).
 3. The copy records an event; a consumer waits on it where it reads the bytes (:meth:`Chunk.wait`). The
    compute stream waits on the event (``current_stream().wait_event``), the CPU never calls
-   ``synchronize()`` for a fetch. Only a reader on the CPU (a host optimizer step, a state dict) blocks,
-   on that one event, after an asynchronous eviction.
+   ``synchronize()`` for a fetch (a demand fetch included: [Note: fetch and prefetch] in ``lookahead.py``).
+   Only a reader on the CPU (a host optimizer step, a state dict) blocks, on that one event, after an
+   asynchronous eviction.
 4. The pinned HOST source of a fetch is freed as soon as the compute stream waits: torch's caching host
    allocator records an event on every non-blocking copy from pinned memory and reuses the block only once
    that event has completed, so freeing early is safe.

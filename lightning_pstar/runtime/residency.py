@@ -164,10 +164,11 @@ class Residency:
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
         """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.
 
-        On CUDA a prefetch (``asynchronous``) and every eviction copy on the side stream, by the rules of
-        [Note: streams] in ``chunk.py``; the chunk orders its next reader after the copy. A fetch keeps the
-        host bytes when it may, and an eviction whose host copy is still current copies nothing ([Note: clean
-        evictions] in ``chunk.py``).
+        On CUDA a fetch (``asynchronous``: a prefetch, or a demand fetch that waits at once) and every eviction copy
+        on the side stream, by the rules of [Note: streams] in ``chunk.py``; the chunk orders its next reader after
+        the copy, and the parameters point at a device buffer only once that is done (:meth:`point_at_chunk`). A
+        fetch keeps the host bytes when it may, and an eviction whose host copy is still current copies nothing
+        ([Note: clean evictions] in ``chunk.py``).
         """
         chunk = family.param_chunk
         if chunk.tier is tier:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from lightning_pstar.runtime.inflight import EvictionsInFlight
 from lightning_pstar.runtime.lookahead import LookaheadState, plan_prefetch
+from lightning_pstar.runtime.prefetch import Prefetcher
 
 
 def _next_use(families: Sequence[tuple[int, ...]]):  # type: ignore[no-untyped-def]
@@ -124,3 +127,11 @@ def test_settle_waits_for_the_oldest_first_and_only_as_far_as_needed() -> None:
     assert ledger.settle(150) == 200
     assert [e.synchronized for e in events] == [1, 1, 0]
     assert ledger.held() == 100
+
+
+def test_an_unknown_prefetch_mode_is_refused() -> None:
+    prefetcher = Prefetcher(None)  # type: ignore[arg-type]  # the mode needs no residency
+    prefetcher.mode = "off"
+    with pytest.raises(ValueError, match=r"prefetch mode must be one of \['lookahead', 'next', 'off'\], got 'far'"):
+        prefetcher.mode = "far"
+    assert prefetcher.mode == "off"
