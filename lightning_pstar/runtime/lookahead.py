@@ -43,14 +43,15 @@ compute, so that the chunk is on the device (or its copy is in flight) when its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["HORIZON", "LookaheadState", "PrefetchPlan", "plan_prefetch"]
 
-HORIZON = 256
-"""Moments simulated ahead at most (each access re-plans from the real state, so the plan only needs to reach the
-demand fetches it can still move)."""
+HORIZON = 64
+"""Moments simulated ahead at most: each access plans again from the real state, and the simulation costs about the
+resident chunks per simulated moment where the room is short (a few blocks of a transformer are plenty of lead for
+the copies to overlap compute)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,46 +82,59 @@ class PrefetchPlan:
     fetch: list[tuple[int, int]] = field(default_factory=list)  # (family, moment it is needed at)
 
 
-@dataclass(kw_only=True)
-class _Future:
-    """The simulated moments ahead (no further prefetch)."""
-
-    moments: list[int]  # trace moments, in order (the current one first)
-    occupied: list[int]  # device bytes held during each of them
-    fetches: list[tuple[int, int]]  # (family, index into moments) of each demand fetch, in order
-    evicted_at: dict[int, int]  # family -> index of its first simulated eviction
-
-
 def plan_prefetch(state: LookaheadState) -> PrefetchPlan:
-    """The prefetches (and early evictions) to start now: see [Note: fetch and prefetch], point 4."""
+    """The prefetches (and early evictions) to start now: see [Note: fetch and prefetch], point 4.
+
+    The simulation and the plan go in lockstep, one moment at a time: a decision about a fetch at moment ``s`` only
+    changes the bytes held before ``s`` (from ``s`` on the chunk is there either way), so the plan stops at the
+    first fetch that cannot move without simulating further."""
     plan = PrefetchPlan()
-    future = _simulate(state)
-    occupied = future.occupied
-    rooms = [state.room_now] + [state.rooms[m] for m in future.moments[1:]]
-    # a chunk may leave now instead of at its simulated eviction only if nothing uses it until then
-    evictable = {
-        fid: at
-        for fid, at in future.evicted_at.items()
-        if fid in state.resident and fid not in state.busy and state.next_use(fid, state.cursor) > at
-    }
-    for fid, at in future.fetches:
-        if fid not in state.on_host:
-            continue  # resident now, evicted and fetched back later: nothing to bring now
-        size = state.sizes[fid]
-        short = [occupied[u] + size - rooms[u] for u in range(at)]
-        if any(d > 0 for d in short):
-            victims = _early_evictions(short, evictable, state.sizes)
-            if victims is None:
-                break  # in order of next use: the first that cannot move ends the plan
-            for victim in victims:
-                start = evictable.pop(victim)
-                for u in range(start):
-                    occupied[u] -= state.sizes[victim]
-                plan.evict.append(victim)
-        for u in range(at):
-            occupied[u] += size
-        plan.fetch.append((fid, future.moments[at]))
+    sim = _Simulation(state)
+    occupied = [state.used]  # device bytes held at each simulated moment, the plan's moves included
+    rooms = [state.room_now]
+    evictable: dict[int, int] = {}  # resident now, unused until its simulated eviction at that index
+    for index, moment in enumerate(sim.moments(), start=1):
+        fetched = sim.step(index, moment)
+        for fid in sim.evicted_now:
+            if fid in state.resident and fid not in state.busy and state.next_use(fid, state.cursor) > index:
+                evictable.setdefault(fid, index)
+        occupied.append(sim.used)
+        rooms.append(state.rooms[moment])
+        for fid in fetched:
+            if fid not in state.on_host:
+                continue  # resident now, evicted and fetched back later: nothing to bring now
+            if not _bring_forward(fid, index, moment, state, occupied, rooms, evictable, plan):
+                return plan  # in order of next use: the first that cannot move ends the plan
     return plan
+
+
+def _bring_forward(
+    fid: int,
+    at: int,
+    moment: int,
+    state: LookaheadState,
+    occupied: list[int],
+    rooms: list[int],
+    evictable: dict[int, int],
+    plan: PrefetchPlan,
+) -> bool:
+    """Move the demand fetch of ``fid`` at simulated index ``at`` to now, with early evictions where its bytes do
+    not fit some moment before; False when they cannot make it fit."""
+    size = state.sizes[fid]
+    short = [occupied[u] + size - rooms[u] for u in range(at)]
+    if any(d > 0 for d in short):
+        victims = _early_evictions(short, evictable, state.sizes)
+        if victims is None:
+            return False
+        for victim in victims:
+            until = evictable.pop(victim)
+            for u in range(until):
+                occupied[u] -= state.sizes[victim]
+            plan.evict.append(victim)
+    for u in range(at):
+        occupied[u] += size
+    plan.fetch.append((fid, moment))
+    return True
 
 
 def _early_evictions(short: list[int], evictable: dict[int, int], sizes: Mapping[int, int]) -> list[int] | None:
@@ -132,67 +146,75 @@ def _early_evictions(short: list[int], evictable: dict[int, int], sizes: Mapping
     for fid in sorted(evictable, key=lambda f: (-evictable[f], f)):
         if all(freed[u] >= d for u, d in enumerate(short)):
             break
-        at = evictable[fid]
         chosen.append(fid)
-        for u in range(min(at, len(short))):
+        for u in range(min(evictable[fid], len(short))):
             freed[u] += sizes[fid]
     if all(freed[u] >= d for u, d in enumerate(short)):
         return chosen
     return None
 
 
-def _simulate(state: LookaheadState) -> _Future:
-    """The coming moments as the engine would run them without further prefetch (tide, then demand fetches with
-    the policy's victims), from the state now until the optimizer step or :data:`HORIZON` moments."""
-    n = len(state.families)
-    resident = set(state.resident)
-    used = state.used
-    future = _Future(moments=[state.cursor], occupied=[used], fetches=[], evicted_at={})
-    for k in range(1, min(HORIZON, n) + 1):
-        moment = (state.cursor + k) % n
-        if moment in state.stops:
-            break
+class _Simulation:
+    """The coming moments as the engine would run them without further prefetch: at each, the tide evicts down to
+    its room, then its chunks are fetched, victims chosen as the policy does (the plan's drops first, then the
+    farthest next use, clean before dirty, then by id). Next uses are kept as absolute simulated indices, updated
+    when a chunk is used, so that choosing victims reads no trace."""
+
+    def __init__(self, state: LookaheadState) -> None:
+        self.state = state
+        self.n = len(state.families)
+        self.resident = set(state.resident)
+        self.used = state.used
+        self.evicted_now: list[int] = []
+        cursor, n = state.cursor, self.n
+        self.next_at = {fid: state.next_use(fid, cursor) for fid in self.resident}
+        # a prefetched chunk counts as kept until its moment (then it is used)
+        self.ahead_until = {fid: (due - cursor) % n for fid, due in state.ahead.items()}
+
+    def moments(self) -> Iterator[int]:
+        """Trace moments ahead, until the optimizer step or :data:`HORIZON` of them."""
+        state = self.state
+        for k in range(1, min(HORIZON, self.n) + 1):
+            moment = (state.cursor + k) % self.n
+            if moment in state.stops:
+                return
+            yield moment
+
+    def step(self, index: int, moment: int) -> list[int]:
+        """Run the moment at simulated ``index``; returns the families it fetched (its evictions: ``evicted_now``)."""
+        state = self.state
         need = state.families[moment]
         room = state.rooms[moment]
-        index = len(future.moments)
-        used = _evict_to(room, used, resident, need, moment, state, future, index)  # the tide
+        self.evicted_now = []
+        self._evict_to(room, need, moment, index)  # the tide
+        fetched: list[int] = []
+        sizes = state.sizes
         for fid in need:
-            if fid in resident or fid not in state.sizes:
+            if fid not in sizes:
                 continue
-            used = _evict_to(room - state.sizes[fid], used, resident, need, moment, state, future, index)
-            resident.add(fid)
-            used += state.sizes[fid]
-            future.fetches.append((fid, index))
-        future.moments.append(moment)
-        future.occupied.append(used)
-    return future
+            self.next_at[fid] = index + state.next_use(fid, moment)
+            if fid in self.resident:
+                continue
+            self._evict_to(room - sizes[fid], need, moment, index)
+            self.resident.add(fid)
+            self.used += sizes[fid]
+            fetched.append(fid)
+        return fetched
 
+    def _evict_to(self, limit: int, need: tuple[int, ...], moment: int, index: int) -> None:
+        if self.used <= limit:
+            return
+        state = self.state
+        keep = state.keep.get(moment, frozenset())
+        clean, ahead_until, next_at = state.clean, self.ahead_until, self.next_at
 
-def _evict_to(
-    limit: int,
-    used: int,
-    resident: set[int],
-    need: tuple[int, ...],
-    moment: int,
-    state: LookaheadState,
-    future: _Future,
-    index: int,
-) -> int:
-    """Evict simulated chunks, in the policy's order, until ``used <= limit`` (or nothing is left to evict)."""
-    if used <= limit:
-        return used
-    keep = state.keep.get(moment, frozenset())
-    n = len(state.families)
+        def order(fid: int) -> tuple[bool, int, bool, int]:
+            kept = fid in keep or ahead_until.get(fid, -1) >= index
+            return (kept, -next_at[fid], fid not in clean, fid)
 
-    def order(fid: int) -> tuple[bool, int, bool, int]:
-        due = state.ahead.get(fid)  # a prefetched chunk counts as kept until its moment (then it is used)
-        kept = fid in keep or (due is not None and index <= (due - state.cursor) % n)
-        return (kept, -state.next_use(fid, moment), fid not in state.clean, fid)
-
-    for fid in sorted((f for f in resident if f not in need), key=order):
-        if used <= limit:
-            break
-        resident.discard(fid)
-        used -= state.sizes[fid]
-        future.evicted_at.setdefault(fid, index)
-    return used
+        for fid in sorted((f for f in self.resident if f not in need), key=order):
+            if self.used <= limit:
+                break
+            self.resident.discard(fid)
+            self.used -= state.sizes[fid]
+            self.evicted_now.append(fid)
