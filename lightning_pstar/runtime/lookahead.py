@@ -1,8 +1,8 @@
 """Prefetch by bytes along the warm-up trace: which param chunks to fetch ahead now, and which to evict early for them.
 
 Pure arithmetic over the trace and the residency's current state; nothing here touches a chunk.
-:class:`~lightning_pstar.runtime.residency.Residency` builds a :class:`LookaheadState`, calls :func:`plan_prefetch`
-and performs the moves it returns.
+:class:`~lightning_pstar.runtime.prefetch.Prefetcher` builds a :class:`LookaheadState`, calls :func:`plan_prefetch`
+and performs the moves it returns through the residency.
 
 [Note: fetch and prefetch]
 A module needs its param chunks on the device when its moment comes. A chunk still on the host then is a *demand
@@ -15,15 +15,17 @@ compute, so that the chunk is on the device (or its copy is in flight) when its 
    next); a prefetch is waited on by the module that needs it. The pinned host source is freed only after the
    compute stream's wait, and the host allocator's event (recorded by the non-blocking copy) keeps the block from
    reuse until the copy is done. On the simulated device every copy is synchronous.
-2. Parameters never point into a device buffer whose copy is in flight: a prefetched chunk's parameters keep
+2. Parameters never point into a device buffer whose copy is in flight: a fetched chunk's parameters keep
    pointing at the host bytes (where they were) and are re-pointed at the device buffer by the wait itself
-   (``Chunk.on_landed``). A read the engine does not see (a parent module's forward reading a child's weight that
+   (``Chunk.on_landed``); every other path that points a parameter at its slot does the same
+   (``Residency.point_at_chunk``). A read the engine does not see (a parent module's forward reading a child's weight that
    the module tree does not name) therefore reads the host bytes, as it does for a chunk on the host, and never
    device bytes still being written.
 3. A device block freed by an eviction is reusable by the allocator only once its copy to the host ends: until its
    event completes its bytes count against the device budget (:class:`~lightning_pstar.runtime.inflight.
-   EvictionsInFlight`). A demand fetch that needs them waits on the CPU for that event; a prefetch does not wait,
-   it takes the room at a later moment once the copy has ended.
+   EvictionsInFlight`). A demand fetch or a tide that needs them waits on the CPU for that event (what the
+   allocator itself would wait for; counted as ``eviction_waits``); a prefetch does not wait, it takes the room at
+   a later moment once the copy has ended.
 4. Which chunks to prefetch (this module): the engine simulates what the coming moments would do without any
    further prefetch, with the same rules as the real run (at each moment the tide evicts down to that moment's
    room ``budget - non_model[t]``, then the moment's chunks are fetched, victims chosen as the placement policy
@@ -33,8 +35,10 @@ compute, so that the chunk is on the device (or its copy is in flight) when its 
    until ``s``. When they do not, a chunk ``v`` that the simulation evicts later anyway at moment ``e``, unused
    until then, is evicted now instead (Belady: it is not needed before ``c``): the same bytes move, only earlier,
    so an early eviction never costs more than the stall it removes. The first demand fetch that does not fit ends
-   the plan (prefetch goes in order of next use). The simulation stops at the optimizer step (which moves and
-   writes chunks) and after :data:`HORIZON` moments.
+   the plan (prefetch goes in order of next use), and the simulation with it. It stops at the optimizer step
+   (which moves and writes chunks) and after :data:`HORIZON` moments. Only one rank plans this way (several ranks
+   gather most chunks, and the sharding prefetches groups: ``runtime/sharding.py``); there, and under the static
+   policy's trace-free placement, the next moment's chunks are prefetched into free room as before.
 5. A prefetched chunk counts as kept by the plan until its moment: the tide evicts it only when nothing else
    frees enough room. Prefetch never changes the arithmetic (it changes when bytes move, never which bytes a
    module reads) and never exceeds the device budget (every move is checked against the room of the moment it
