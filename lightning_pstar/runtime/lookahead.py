@@ -18,9 +18,9 @@ compute, so that the chunk is on the device (or its copy is in flight) when its 
 2. Parameters never point into a device buffer whose copy is in flight: a fetched chunk's parameters keep
    pointing at the host bytes (where they were) and are re-pointed at the device buffer by the wait itself
    (``Chunk.on_landed``); every other path that points a parameter at its slot does the same
-   (``Residency.point_at_chunk``). A read the engine does not see (a parent module's forward reading a child's weight that
-   the module tree does not name) therefore reads the host bytes, as it does for a chunk on the host, and never
-   device bytes still being written.
+   (``Residency.point_at_chunk``). A read the engine does not see (a parent module's forward reading a child's
+   weight that the module tree does not name) therefore reads the host bytes, as it does for a chunk on the host,
+   and never device bytes still being written.
 3. A device block freed by an eviction is reusable by the allocator only once its copy to the host ends: until its
    event completes its bytes count against the device budget (:class:`~lightning_pstar.runtime.inflight.
    EvictionsInFlight`). A demand fetch or a tide that needs them waits on the CPU for that event (what the
@@ -37,8 +37,8 @@ compute, so that the chunk is on the device (or its copy is in flight) when its 
    so an early eviction never costs more than the stall it removes. The first demand fetch that does not fit ends
    the plan (prefetch goes in order of next use), and the simulation with it. It stops at the optimizer step
    (which moves and writes chunks) and after :data:`HORIZON` moments. Only one rank plans this way (several ranks
-   gather most chunks, and the sharding prefetches groups: ``runtime/sharding.py``); there, and under the static
-   policy's trace-free placement, the next moment's chunks are prefetched into free room as before.
+   gather most chunks, and the sharding prefetches groups: ``runtime/sharding.py``); there the next moment's
+   chunks are prefetched into free room as before. The static policy prefetches nothing.
 5. A prefetched chunk counts as kept by the plan until its moment: the tide evicts it only when nothing else
    frees enough room. Prefetch never changes the arithmetic (it changes when bytes move, never which bytes a
    module reads) and never exceeds the device budget (every move is checked against the room of the moment it
