@@ -53,6 +53,13 @@ class MemoryReport:
     optimizer_tier: str  # where the optimizer step runs, per chunk family
     placement: str = "static"
     prefetches: int = 0  # chunks fetched ahead of their moment
+    # [Note: fetch and prefetch] in runtime/lookahead.py
+    demand_fetches: int = 0  # param chunks a module found on the host and waited for (stalls)
+    prefetch_lead_moments: int = 0  # moments between each prefetch and the moment it was for, summed
+    prefetch_hits: int = 0  # prefetched param chunks on the device (or on their way) when a module needed them
+    prefetches_wasted: int = 0  # prefetched param chunks evicted before their moment
+    early_evictions: int = 0  # evictions the prefetch moved earlier to make room (the same bytes, sooner)
+    eviction_waits: int = 0  # CUDA: fetches that waited for an eviction's copy to free its device block
     moves_off_device: int = 0  # every chunk move from the device to the host (evictions, offloaded steps, ...)
     peak_non_model_bytes: int = 0  # warm-up peak of non-model memory on the device
     moment_non_model_bytes: list[int] = field(default_factory=list)  # per moment of the warm-up trace
@@ -142,6 +149,11 @@ class MemoryReport:
             ("evictions (budget)", str(self.evictions)),
             ("moves off the device", str(self.moves_off_device)),
             ("prefetches", str(self.prefetches)),
+            (
+                "demand fetches / prefetch hits",
+                f"{self.demand_fetches} / {self.prefetch_hits} ({self.prefetches_wasted} wasted,"
+                f" {self.early_evictions} early evictions)",
+            ),
             ("clean / dirty moves off", f"{self.clean_moves} / {self.dirty_moves} ({fmt(self.clean_bytes)} uncopied)"),
             ("host copies kept", fmt(self.host_copy_bytes)),
             (

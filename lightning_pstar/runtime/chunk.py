@@ -57,11 +57,13 @@ memory used across streams (``torch.cuda.Stream.wait_stream``, ``Tensor.record_s
    The same wait orders an eviction after the kernels that last wrote the chunk.
 2. A device block freed (``resize_(0)``) while a copy may still read or write it is first marked with
    ``record_stream(copy)``: the allocator then reuses it only after the copy stream's work queued so far
-   is done. Evictions free their device source this way without waiting on the CPU.
+   is done. Evictions free their device source this way without waiting on the CPU; the block counts against
+   the device budget until the copy ends, and a fetch that needs its room waits for that (``runtime/inflight.py``).
 3. The copy records an event; a consumer waits on it where it reads the bytes (:meth:`Chunk.wait`). The
    compute stream waits on the event (``current_stream().wait_event``), the CPU never calls
-   ``synchronize()`` for a fetch. Only a reader on the CPU (a host optimizer step, a state dict) blocks,
-   on that one event, after an asynchronous eviction.
+   ``synchronize()`` for a fetch (a demand fetch included: [Note: fetch and prefetch] in ``lookahead.py``).
+   Only a reader on the CPU (a host optimizer step, a state dict) blocks, on that one event, after an
+   asynchronous eviction.
 4. The pinned HOST source of a fetch is freed as soon as the compute stream waits: torch's caching host
    allocator records an event on every non-blocking copy from pinned memory and reuses the block only once
    that event has completed, so freeing early is safe.
@@ -70,6 +72,7 @@ Without a copy stream (the simulated device, or a copy on the CPU side) every co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -152,6 +155,11 @@ class TransferStats:
     evictions: int = 0  # param chunks moved off the device because the budget needed their room
     moves_off_device: int = 0  # every chunk move from the device to the host, for any reason
     prefetches: int = 0
+    demand_fetches: int = 0  # param chunks a module found on the host and waited for (a stall)
+    prefetch_lead_moments: int = 0  # moments between each prefetch and the moment it was for, summed
+    prefetch_hits: int = 0  # prefetched param chunks that were on the device (or on their way) when used
+    prefetches_wasted: int = 0  # prefetched param chunks evicted before their moment
+    early_evictions: int = 0  # evictions the prefetch moved earlier to make room ([Note: fetch and prefetch])
     clean_moves: int = 0  # moves off the device that only freed the device storage (the host copy was current)
     clean_bytes: int = 0  # ... and the bytes those moves did not copy
     dirty_moves: int = 0  # moves off the device that copied the bytes back to the host
@@ -213,6 +221,7 @@ class Chunk:
         self._host_buffer = None
         self._tier = None
         self._pending: torch.cuda.Event | None = None  # an asynchronous copy in flight (see [Note: streams])
+        self._on_landed: Callable[[], None] | None = None  # called once a fetch in flight is waited on
         # [Note: clean evictions]: while on DEVICE, whether the HOST buffer still holds a copy, the device
         # buffer's version when it was made, and (CUDA) the event of the fetch that read it
         self._host_copy = False
@@ -281,6 +290,20 @@ class Chunk:
     def pending(self) -> bool:
         """Whether an asynchronous copy is in flight (:meth:`wait` orders a reader after it)."""
         return self._pending is not None
+
+    @property
+    def copy_event(self) -> torch.cuda.Event | None:
+        """The event of the asynchronous copy in flight, if any (an eviction's: its device block is reusable once
+        it completes, [Note: fetch and prefetch] in ``lookahead.py``)."""
+        return self._pending
+
+    def on_landed(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the fetch in flight is waited on (at once when none is): the residency points
+        the parameters at the device buffer only then ([Note: fetch and prefetch] in ``lookahead.py``, point 2)."""
+        if self._pending is None or self._tier is not _DEVICE:
+            callback()
+        else:
+            self._on_landed = callback
 
     @property
     def ready(self) -> bool:
@@ -465,6 +488,9 @@ class Chunk:
                 self._host_read = pending  # kept for a clean eviction ([Note: clean evictions])
             else:
                 host_arena().free(self._host_buffer)  # the host allocator's event guards the block
+            landed, self._on_landed = self._on_landed, None
+            if landed is not None:
+                landed()
         else:
             pending.synchronize()
 

@@ -10,8 +10,8 @@ keeps the mechanism (copies, storage identity, accounting) in one place and lets
   the room for chunks at moment ``t`` is ``budget - non_model[t]`` from the warm-up trace, victims are
   first the chunks the yardstick's plan does not keep at ``t`` ([Note: the yardstick] in ``yardstick.py``),
   then those whose next use is farthest away (Belady), a clean one (its eviction copies nothing) before a
-  dirty one at the same distance; the next moment's chunks are prefetched when both moments' room keeps
-  them, and optimizer-state families that fit the margin at the optimizer step stay on the device.
+  dirty one at the same distance; chunks are prefetched along the trace by bytes ([Note: fetch and prefetch]
+  in ``lookahead.py``), and optimizer-state families that fit the margin at the optimizer step stay on the device.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lightning_pstar.runtime.chunk import Chunk, ChunkKind
 from lightning_pstar.runtime.state import ChunkState, Tier
 
 if TYPE_CHECKING:
-    from lightning_pstar.runtime.tracer import MemoryTracer
+    from lightning_pstar.runtime.tracer import MemoryTracer, Trace
 
 __all__ = ["AutoPlacement", "PlacementPolicy", "StaticPlacement", "make_policy"]
 
@@ -206,6 +206,14 @@ class AutoPlacement:
 
     def adopt_plan(self, keep: dict[int, frozenset[int]]) -> None:
         self._keep = dict(keep)
+
+    def lookahead_view(self) -> tuple[Trace, int, dict[int, frozenset[int]]] | None:
+        """The trace, the moment the iteration is at and the plan's kept families per moment, for prefetching by
+        bytes ([Note: fetch and prefetch] in ``lookahead.py``); None off the trace."""
+        tracer = self.tracer
+        if not self._planning or not 0 <= tracer.cursor < len(tracer.trace.moments):
+            return None
+        return tracer.trace, tracer.cursor, self._keep
 
     def prefetch(self) -> tuple[int, ...]:
         if not self._planning:

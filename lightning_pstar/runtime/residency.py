@@ -17,8 +17,10 @@ from lightning_pstar.planning.requirements import MemoryBudgetError, step_tempor
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.inflight import EvictionsInFlight
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.placement import PlacementPolicy
+from lightning_pstar.runtime.prefetch import Prefetcher
 from lightning_pstar.runtime.state import Tier
 from lightning_pstar.runtime.yardstick import Bounds
 
@@ -80,7 +82,9 @@ class Residency:
         self.finish_stepping: Callable[[], None] | None = None  # ends them (the manager's), when room is short
         self.repoint = False  # parameters follow their chunk's moves (off while materialising)
         self._tick = 0
-        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: prefetches and evictions copy on it
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: every fetch and eviction copies on it
+        self.evicting = EvictionsInFlight()  # CUDA: evictions whose copy has not ended (their blocks are held)
+        self.prefetcher = Prefetcher(self)  # [Note: fetch and prefetch] in lookahead.py
         self.setup_peak_device_bytes = 0  # chunks plus materialisation temporaries, at their highest in setup
         # [Note: clean evictions] in chunk.py: fetched param chunks keep their host bytes while the host budget
         # allows, so that evicting them again copies nothing
@@ -152,15 +156,19 @@ class Residency:
         chunk = chunks[_PARAM]
         if record.grad_in_param_slot:
             chunk = chunks.get(_MASTER, chunk)
+        if chunk.pending and chunk.tier is _DEVICE:  # never into bytes still being copied: once the copy is waited on
+            chunk.on_landed(lambda: self._point_family(record.family))  # ([Note: fetch and prefetch], lookahead.py)
+            return
         record.param.data = chunk.buffer_view(record.slot)  # taken once per buffer: [Note: cached views]
 
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
         """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.
 
-        On CUDA a prefetch (``asynchronous``) and every eviction copy on the side stream, by the rules of
-        [Note: streams] in ``chunk.py``; the chunk orders its next reader after the copy. A fetch keeps the
-        host bytes when it may, and an eviction whose host copy is still current copies nothing ([Note: clean
-        evictions] in ``chunk.py``).
+        On CUDA a fetch (``asynchronous``: a prefetch, or a demand fetch that waits at once) and every eviction copy
+        on the side stream, by the rules of [Note: streams] in ``chunk.py``; the chunk orders its next reader after
+        the copy, and the parameters point at a device buffer only once that is done (:meth:`point_at_chunk`). A
+        fetch keeps the host bytes when it may, and an eviction whose host copy is still current copies nothing
+        ([Note: clean evictions] in ``chunk.py``).
         """
         chunk = family.param_chunk
         if chunk.tier is tier:
@@ -172,11 +180,20 @@ class Residency:
         keep = tier is Tier.DEVICE and self.clean_evictions and not self.step_open
         stream = self.copy_stream() if asynchronous or tier is Tier.HOST else None
         chunk.move_to(tier, stream=stream, keep_host_copy=keep)
-        if self.repoint:
-            for record in family.records:
-                self.point_at_chunk(record)
+        if tier is Tier.HOST:
+            if self.prefetcher.ahead.pop(family.family_id, None) is not None:
+                self.stats.prefetches_wasted += 1  # prefetched, then evicted before its moment
+            event = chunk.copy_event
+            if event is not None:  # its device block is reusable once the copy ends
+                self.evicting.add(event, chunk.nbytes)
+        if self.repoint:  # a fetch in flight: once it is waited on (point_at_chunk)
+            self._point_family(family)
         if chunk.has_host_copy:
             self._param_versions[family.family_id] = tuple(r.param._version for r in family.records)
+
+    def _point_family(self, family: ChunkFamily) -> None:
+        for record in family.records:
+            self.point_at_chunk(record)
 
     def _params_written(self, family: ChunkFamily) -> bool:
         """Whether a parameter of ``family`` was written in place since its chunk was fetched."""
@@ -295,7 +312,10 @@ class Residency:
         room = self.chunk_room()
         if room is None:
             return
-        missing = self.device_used() + nbytes - room
+        evicting = self.evicting
+        missing = self.device_used() + evicting.held() + nbytes - room
+        if missing > 0 and evicting.held():  # blocks of evictions in flight: reusable once their copies end
+            missing -= evicting.settle(missing)
         if missing <= 0:
             return
         asked = protect
@@ -308,7 +328,11 @@ class Residency:
             and f.param_chunk.tier is Tier.DEVICE
             and self.owns(f)  # remote chunks are released, never evicted
         ]
-        victims = self.policy.victims(candidates, missing)
+        # chunks prefetched for a later moment count as kept until it ([Note: fetch and prefetch] in lookahead.py)
+        ahead = self.prefetcher.ahead
+        victims = self.policy.victims([c for c in candidates if c.chunk_id not in ahead], missing)
+        if sum(v.nbytes for v in victims) < missing and ahead:
+            victims = self.policy.victims(candidates, missing)
         if sum(v.nbytes for v in victims) < missing and self.stepping and self.finish_stepping is not None:
             self.finish_stepping()  # families whose step is in flight may be evicted once it is done
             self.ensure_device_room(nbytes, protect=asked)
@@ -324,6 +348,8 @@ class Residency:
         for victim in victims:
             self.move_param_chunk(self.families[victim.chunk_id], Tier.HOST)
             self.stats.evictions += 1
+        if evicting.held():  # the caller allocates next: the victims' blocks must be reusable first
+            evicting.settle(self.device_used() + evicting.held() + nbytes - room)
 
     def check_host_room(self, nbytes: int, *, spare: Chunk | None = None, chunk: Chunk | None = None) -> None:
         """Raise unless ``nbytes`` more (for ``chunk``, or ``spare``) fit the host budget, after dropping host
@@ -380,40 +406,32 @@ class Residency:
     def fetch(self, family: ChunkFamily, *, protect: set[int]) -> None:
         """Make ``family``'s param chunk resident on DEVICE, evicting others if the budget requires."""
         chunk = family.param_chunk
+        ahead = self.prefetcher.ahead
+        if ahead and ahead.pop(family.family_id, None) is not None:
+            self.stats.prefetch_hits += 1
         if self.device_budget is None and chunk.ready:
             return  # resident, and without a budget nothing is ever evicted: the policy's use record is unread
         self._tick += 1
         self.policy.touch(chunk, self._tick)
         if chunk.tier is Tier.DEVICE:
-            chunk.wait()  # a prefetch may still be in flight
+            chunk.wait()  # a prefetch may still be in flight: the compute stream waits on its event
             return
+        # a demand fetch: the module waits for it (a stall); on the copy stream all the same, so that the CPU does
+        # not synchronise and the compute stream waits on its event ([Note: fetch and prefetch] in lookahead.py)
+        self.stats.demand_fetches += 1
         self.ensure_device_room(chunk.nbytes, protect=protect | {family.family_id})
-        self.move_param_chunk(family, Tier.DEVICE)
+        self.move_param_chunk(family, Tier.DEVICE, asynchronous=True)
+        chunk.wait()
 
     def prefetch(self) -> None:
-        """Fetch the next moment's chunks ahead of time when they fit without evicting anything."""
-        if not self.stats.param_chunks_on_host:
-            return  # every param chunk is on the device or released: nothing to bring (the common case)
-        fids = self.policy.prefetch()
-        if not fids:
-            return
-        families = self.families
-        wanted = [fid for fid in fids if families[fid].param_chunk.tier is not _DEVICE and self.owns(families[fid])]
-        if not wanted:
-            return
-        # the chunks fetched now must fit this moment's room and the next one's
-        room = self.chunk_room()
-        room_next = self.policy.next_chunk_room(self.device_budget, self.min_device_bytes)
-        if room is not None and room_next is not None:
-            room = min(room, room_next)
-        for fid in wanted:
-            chunk = self.families[fid].param_chunk
-            if room is not None and self.device_used() + chunk.nbytes > room:
-                return
-            if chunk.tier is Tier.HOST:
-                with torch.profiler.record_function("pstar::prefetch"):
-                    self.move_param_chunk(self.families[fid], Tier.DEVICE, asynchronous=True)
-                self.stats.prefetches += 1
+        """Fetch chunks ahead of their moments ([Note: fetch and prefetch] in lookahead.py)."""
+        if self.stats.param_chunks_on_host:  # else every param chunk is on the device: nothing to bring
+            self.prefetcher.run()
+
+    @property
+    def eviction_waits(self) -> int:
+        """CPU waits for an eviction's copy (CUDA: a fetch needed its block)."""
+        return self.evicting.waits
 
     # ---- the optimizer's side ----------------------------------------------------------------------------
     def plan_hybrid_optimizer(self, peak_non_model: int) -> None:
