@@ -415,10 +415,22 @@ class ChunkedOptimizer(Optimizer):
 
     def _step_family(self, family: ChunkFamily, coef: float) -> None:
         manager = self._manager
-        if manager.residency.optimizer_tier_of(family) is Tier.HOST:
+        tier = manager.residency.optimizer_tier_of(family)
+        if tier is Tier.DISK:  # the host step on buffers read from disk, written back after ([Note: disk families])
+            manager.residency.move_param_chunk(family, Tier.HOST)
+            assert manager.disk is not None
+            with manager.disk.loaded(family, write=True):
+                self._step_family_here(family, coef)
+            return
+        if tier is Tier.HOST:
             manager.residency.move_param_chunk(family, Tier.HOST)  # the update runs where the optimizer states live
         else:
             manager.residency.fetch(family, protect={family.family_id})
+        self._step_family_here(family, coef)
+
+    def _step_family_here(self, family: ChunkFamily, coef: float) -> None:
+        """The step of ``family`` on the tier its param chunk and optimizer states are on now."""
+        manager = self._manager
         if self._book.is_adam and self._step_whole_family(family, coef):
             return
         grads = family_grads(family, self._book.group_of, mixed=manager.mixed, inv_scale=self.gradient_policy.inv_scale)

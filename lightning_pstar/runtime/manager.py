@@ -15,8 +15,8 @@ parameter :meth:`grad_ready`, :meth:`finish_backward`; then the optimizer's :met
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -41,6 +41,17 @@ from lightning_pstar.runtime.budgets import (
 )
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
+from lightning_pstar.runtime.disk import DiskStore, check_disk_path
+from lightning_pstar.runtime.disk_tier import (
+    DISK_DEPTH,
+    DISK_KINDS,
+    DISK_THREADS,
+    DiskTier,
+    choose_disk_families,
+    disk_block_bytes,
+    disk_buffer_bytes,
+    disk_bytes_per_element,
+)
 from lightning_pstar.runtime.family import (
     ChunkFamily,
     ParamRecord,
@@ -122,7 +133,9 @@ class ChunkManager:
             min_device_bytes=self._min_device_bytes,
             owns=lambda family: self.sharding.owns(family),
         )
-        self.residency.host_scratch_bytes = self.setup_need.scratch  # [Note: the host need] in planning/tiers.py
+        # [Note: the host need] in planning/tiers.py; the disk tier's buffers: [Note: disk families]
+        self.residency.host_scratch_bytes = self.setup_need.scratch + self.setup_need.disk_buffers
+        self._open_disk_tier()
         self.residency.optimizer_tier = self._optimizer_start_tier(policy, device_budget)
         self.residency.hybrid_optimizer = config.placement.optimizer is OptimizerPlacement.AUTO
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
@@ -178,14 +191,8 @@ class ChunkManager:
             )
         start = self._optimizer_start_tier(policy, device_budget)
         warn_unbound_host_limit(config, device)
-        if config.memory.disk_path is not None:  # the I/O layer (runtime/disk.py) is not wired to the chunks yet
-            warnings.warn(
-                f"memory.disk_path={config.memory.disk_path!r} is set, but this release does not place chunks on"
-                " disk yet: all model data stays in device and host memory, within their budgets. HINT: leave"
-                " disk_path unset until the disk tier lands (see CHANGELOG).",
-                UserWarning,
-                stacklevel=2,
-            )
+        self._disk_ids: list[int] = []
+        disk_split = self._disk_split if config.memory.disk_path is not None and start is Tier.HOST else None
         self.setup_need = check_setup_budgets(
             self.layout,
             self.bytes_per_element(),
@@ -198,8 +205,84 @@ class ChunkManager:
             static_fraction=config.placement.static_chunk_fraction if policy.name == "static" else None,
             chunk_room=policy.chunk_room(device_budget, self._min_device_bytes),
             pinned=device.type == "cuda",
+            disk_split=disk_split,
         )
+        if self._disk_ids:  # refused before anything is allocated ([Note: disk families] in runtime/disk_tier.py)
+            check_disk_path(config.memory.disk_path, self.setup_need.disk, config.memory.disk_limit_bytes)
+        elif config.memory.disk_path is not None:
+            log.info("PatrickStar: disk_path is set, but the host budget holds the optimizer side: no disk tier.")
         return device_budget, host_budget, policy
+
+    def _disk_split(self, excess: int) -> tuple[int, int]:
+        """The families whose optimizer side goes to disk to cover ``excess`` bytes of host need, and the bytes
+        they take off the host and the disk tier's host buffers add (see ``check_setup_budgets``)."""
+        bpe = self.bytes_per_element()
+        per_element = disk_bytes_per_element(master=bpe.master, optimizer=bpe.optimizer)
+        trainable = [c.capacity for c in self.layout.chunks if c.trainable]
+        capacity = max(trainable, default=0)
+        buffers = disk_buffer_bytes(capacity, mixed=self.mixed)
+        self._disk_ids = choose_disk_families(
+            self.layout, rank=self.rank, world_size=self.world_size, excess=excess + buffers, per_element=per_element
+        )
+        on_disk = sum(self.layout.chunks[i].capacity * per_element for i in self._disk_ids)
+        return on_disk, buffers
+
+    def _open_disk_tier(self) -> None:
+        """The disk families' store under ``disk_path`` (its run directory is created now, before any chunk)."""
+        if not self._disk_ids:
+            return
+        capacity = max(c.capacity for c in self.layout.chunks if c.trainable)
+        memory = self.config.memory
+        assert memory.disk_path is not None
+        store = DiskStore(
+            memory.disk_path,
+            limit_bytes=memory.disk_limit_bytes,
+            threads=DISK_THREADS,
+            block_bytes=disk_block_bytes(capacity),
+            device=self.device,
+        )
+        self.residency.disk = DiskTier(
+            store, self._disk_ids, capacity=capacity, kinds=3 if self.mixed else 2, depth=DISK_DEPTH
+        )
+        log.info(
+            "PatrickStar: %d of %d families keep their optimizer side on disk in %s",
+            len(self._disk_ids), len(self.families), store.path,
+        )  # fmt: skip
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, when some families are on it."""
+        return self.residency.disk
+
+    def disk_loaded(
+        self, family: ChunkFamily, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
+    ) -> AbstractContextManager[object]:
+        """Inside the block ``family``'s chunks on disk (if any) read into host buffers; written back at its end
+        when ``write`` ([Note: disk families] in ``runtime/disk_tier.py``)."""
+        disk = self.residency.disk
+        if disk is None or not disk.holds(family):
+            return nullcontext()
+        return disk.loaded(family, write=write, kinds=kinds)
+
+    def disk_one_at_a_time(
+        self, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
+    ) -> AbstractContextManager[Callable[[ChunkFamily], None]]:
+        """:meth:`~lightning_pstar.runtime.disk_tier.DiskTier.one_at_a_time`, or a ``need`` that does nothing."""
+        disk = self.residency.disk
+        if disk is None:
+            return nullcontext(_no_disk_need)
+        return disk.one_at_a_time(write=write, kinds=kinds)
+
+    def flush_disk(self) -> None:
+        """Write back the family a load (or setup) left loaded on the disk tier ([Note: disk families])."""
+        if self.residency.disk is not None:
+            self.residency.disk.flush_setup()
+
+    def close_disk(self) -> None:
+        """Remove the disk tier's files and run directory (the run ends, or its setup failed)."""
+        disk = self.residency.disk
+        if disk is not None:
+            disk.close()
 
     def _optimizer_start_tier(self, policy: PlacementPolicy, device_budget: int | None) -> Tier:
         """Where optimizer-side chunks start: the policy's choice under ``placement.optimizer="auto"``, else the
@@ -248,6 +331,7 @@ class ChunkManager:
         detail += repr([(c.capacity, c.trainable, c.members, c.offsets) for c in self.layout.chunks])  # ranks agree
         summary = (len(self._named), self.layout.payload_elements, self.layout.chunk_size, len(self.families))
         self._materialiser().run(self.host_params, summary, detail)
+        self.flush_disk()  # the last family's master written ([Note: disk families] in runtime/disk_tier.py)
         self._materialised = True
         log.log(
             logging.INFO if self.rank == 0 else logging.DEBUG,  # the ranks agree (checked above): one says it
@@ -566,6 +650,7 @@ class ChunkManager:
         ``keep_tail``: steps an ``optimizer.step()`` left in flight (``optimizer_overlap="next_forward"``) go on;
         the modules that need their families wait for them (:meth:`access`)."""
         self.grads.on_final = None
+        self.flush_disk()
         if keep_tail and self.tailing:
             return
         try:
@@ -610,3 +695,7 @@ class ChunkManager:
             overlap=self.config.placement.optimizer_overlap.value,
             nonfinite_skipped_steps=self.nonfinite_skipped_steps,
         )
+
+
+def _no_disk_need(family: ChunkFamily) -> None:
+    """``need`` without a disk tier: nothing to load."""

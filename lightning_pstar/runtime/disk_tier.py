@@ -1,0 +1,251 @@
+"""The disk tier of the chunks: which families keep their optimizer side on disk, and lending them host buffers.
+
+[Note: disk families]
+When ``disk_path`` is set and the host budget cannot hold the optimizer side of every family whose optimizer
+steps on the host, the manager picks whole families (:func:`choose_disk_families`, the last trainable families
+this rank owns first, until the host need fits) whose fp32 master (mixed precision), ``exp_avg`` and
+``exp_avg_sq`` chunks live in files of a :class:`~lightning_pstar.runtime.disk.DiskStore` (keys
+``f<family_id>.<kind>``). Their param chunk and fp32 GRAD chunk never go to disk: in 32-true the param chunk is
+the master and stays in memory.
+
+A chunk on :attr:`~lightning_pstar.runtime.state.Tier.DISK` has no storage of its own. A reader (the optimizer
+step, a state dict, the weight restored from the master after a gradient) borrows one of a few page-aligned host
+buffer sets that :class:`DiskTier` owns for the run's whole life (:meth:`DiskTier.loaded`): the chunks' bytes are
+read into them and lent to the chunks (:meth:`~lightning_pstar.runtime.chunk.Chunk.lend`), so the reader runs the
+very code and kernels it runs on a host chunk, and the arithmetic is bitwise the same. A writer's loan ends with
+the bytes written back before the buffers are handed on; a reader's ends without a write. The buffer sets and the
+store's staging arena are held back from the host budget for the whole run (``Residency.host_scratch_bytes``),
+so the host account never counts a loaded family twice and never refuses a load.
+
+While a disk family's gradient is in its param slot (mixed precision, between its backward and its step), its
+parameter cannot point at the fp32 master (on disk): it keeps pointing at the slot and is *parked* ([Note: parked
+parameters] in ``runtime/parked.py``), so a read of the weight in that window fails loudly instead of reading the
+gradient. The step (or ``zero_grad``) writes the weight back and unparks it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from lightning_pstar.planning.layout import Layout, owner_of
+from lightning_pstar.runtime.aligned import ALIGNMENT, align_up, aligned_empty
+from lightning_pstar.runtime.chunk import Chunk, ChunkKind
+from lightning_pstar.runtime.disk import DEFAULT_BLOCK_BYTES, DiskStore
+from lightning_pstar.runtime.family import ChunkFamily
+from lightning_pstar.runtime.state import Tier
+
+__all__ = [
+    "DISK_DEPTH",
+    "DISK_KINDS",
+    "DISK_THREADS",
+    "DiskTier",
+    "choose_disk_families",
+    "disk_block_bytes",
+    "disk_buffer_bytes",
+    "disk_bytes_per_element",
+]
+
+log = logging.getLogger(__name__)
+
+DISK_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+"""The chunk kinds a disk family keeps on disk (never PARAM, never GRAD)."""
+
+
+DISK_DEPTH = 3
+"""Families loaded at once: the pipelined step reads family k+1 while Adam runs on k and k-1 is written back."""
+DISK_THREADS = 4
+"""I/O threads of the disk tier's store."""
+
+
+def disk_block_bytes(capacity: int) -> int:
+    """Bytes of one I/O call for fp32 chunks of ``capacity`` elements: the store's default, or one chunk rounded
+    up to the alignment when smaller (the staging arena then stays small for small chunks)."""
+    return min(DEFAULT_BLOCK_BYTES, align_up(capacity * 4))
+
+
+def disk_buffer_bytes(capacity: int, *, mixed: bool) -> int:
+    """Host bytes the disk tier holds for the run: :data:`DISK_DEPTH` buffer sets of fp32 chunks of ``capacity``
+    elements (master and two states in mixed precision, two states in 32-true) and the store's staging arena."""
+    kinds = 3 if mixed else 2
+    staging = DISK_THREADS * disk_block_bytes(capacity) + ALIGNMENT
+    return DiskTier.buffer_bytes(capacity=capacity, kinds=kinds, depth=DISK_DEPTH) + staging
+
+
+def disk_bytes_per_element(*, master: int, optimizer: int) -> int:
+    """Bytes per element a disk family moves off the host: its fp32 master (``master``: 4 in mixed precision, 0 in
+    32-true) and its optimizer states (``optimizer``)."""
+    return master + optimizer
+
+
+def choose_disk_families(layout: Layout, *, rank: int, world_size: int, excess: int, per_element: int) -> list[int]:
+    """The trainable families this rank owns, last first, whose optimizer side (``per_element`` bytes per element)
+    covers ``excess`` bytes of host need; all of them when even that is not enough (the caller's check refuses
+    then). Every family moves the same bytes per element per step, so the choice is by order only."""
+    chosen, freed = [], 0
+    for chunk in reversed(layout.chunks):
+        if freed >= excess:
+            break
+        if chunk.trainable and owner_of(chunk.chunk_id, world_size) == rank:
+            chosen.append(chunk.chunk_id)
+            freed += chunk.capacity * per_element
+    return sorted(chosen)
+
+
+class DiskTier:
+    """The disk families of one run: their files (``store``) and the host buffer sets lent to them.
+
+    Args:
+        store: the run's :class:`~lightning_pstar.runtime.disk.DiskStore` (closed by :meth:`close`).
+        family_ids: the families whose optimizer side is on disk.
+        capacity: elements of the largest of those families' chunks.
+        kinds: how many of a family's chunks are on disk at most (3: master and two Adam states).
+        depth: buffer sets (families loaded at once: 1 for the serial step).
+    """
+
+    def __init__(self, store: DiskStore, family_ids: Sequence[int], *, capacity: int, kinds: int, depth: int) -> None:
+        self.store = store
+        self.family_ids = frozenset(family_ids)
+        self.capacity = capacity
+        self.kinds = kinds
+        self._free: list[list[torch.Tensor]] = [
+            [aligned_empty(capacity * 4).view(torch.float32) for _ in range(kinds)] for _ in range(depth)
+        ]
+        self._index = {kind: i for i, kind in enumerate(DISK_KINDS[len(DISK_KINDS) - kinds :])}  # kind -> buffer
+        self._loans: dict[int, list[torch.Tensor]] = {}  # family id -> the buffer set lent to its chunks
+        self._setup_family: ChunkFamily | None = None  # held (dirty) across setup's slot fills: :meth:`hold_for_setup`
+
+    @staticmethod
+    def buffer_bytes(*, capacity: int, kinds: int, depth: int) -> int:
+        """Host bytes of the buffer sets (each aligned buffer takes one alignment more)."""
+        return depth * kinds * (capacity * 4 + ALIGNMENT)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the tier holds for the run's life: the buffer sets and the store's staging arena."""
+        depth = len(self._free) + len(self._loans)
+        return self.buffer_bytes(capacity=self.capacity, kinds=self.kinds, depth=depth) + self.store.staging_bytes
+
+    def holds(self, family: ChunkFamily) -> bool:
+        """Whether ``family``'s optimizer side is on disk."""
+        return family.family_id in self.family_ids
+
+    @staticmethod
+    def key(chunk: Chunk) -> str:
+        return f"f{chunk.chunk_id}.{chunk.kind.value}"
+
+    def place(self, chunk: Chunk) -> None:
+        """Give a new optimizer-side chunk its file (allocated in full now; it reads as zeros)."""
+        self.store.reserve(self.key(chunk), chunk.capacity, chunk.dtype)
+        chunk.place_on_disk()
+
+    def chunks_of(self, family: ChunkFamily, kinds: Sequence[ChunkKind] = DISK_KINDS) -> list[Chunk]:
+        return [c for k, c in family.chunks.items() if k in kinds and c.tier is Tier.DISK]
+
+    # ---- loans ---------------------------------------------------------------------------------------------
+    def load(self, family: ChunkFamily, kinds: Sequence[ChunkKind] = DISK_KINDS) -> list[Chunk]:
+        """Read ``family``'s disk chunks of ``kinds`` into a buffer set and lend it to them; returns the chunks
+        lent now (those already lent are left as they are)."""
+        if self._setup_family is not None and self._setup_family is not family:
+            self.flush_setup()
+        chunks = [c for c in self.chunks_of(family, kinds) if not c.lent]
+        if not chunks:
+            return []
+        buffers = self._loans.get(family.family_id)
+        if buffers is None:
+            if not self._free:
+                raise RuntimeError(
+                    f"PatrickStar internal error: the disk tier has no host buffer left for family"
+                    f" {family.family_id} ({len(self._loans)} families loaded). HINT: please report this."
+                )
+            buffers = self._loans[family.family_id] = self._free.pop()
+        futures = []
+        for chunk in chunks:
+            buf = buffers[self._index[chunk.kind]][: chunk.capacity]
+            futures.append(self.store.read(self.key(chunk), buf))
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.exception()  # every read is over before the buffers are handed on
+            if not any(c.lent for c in self.chunks_of(family)):
+                self._free.append(self._loans.pop(family.family_id))
+            raise
+        for chunk in chunks:
+            chunk.lend(buffers[self._index[chunk.kind]][: chunk.capacity])
+        return chunks
+
+    def unload(self, family: ChunkFamily, chunks: Sequence[Chunk], *, write: bool) -> None:
+        """End the loans of ``chunks`` (written back first when ``write``); the set is free once none is lent."""
+        try:
+            if write:
+                futures = [self.store.write(self.key(c), c.data) for c in chunks]
+                for future in futures:
+                    future.result()
+        finally:
+            for chunk in chunks:
+                chunk.take_back()
+            if not any(c.lent for c in self.chunks_of(family)):
+                buffers = self._loans.pop(family.family_id, None)
+                if buffers is not None:
+                    self._free.append(buffers)
+
+    @contextmanager
+    def loaded(
+        self, family: ChunkFamily, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
+    ) -> Iterator[list[Chunk]]:
+        """``family``'s disk chunks of ``kinds`` lent host buffers inside the block (re-entrant: chunks lent
+        already stay lent after it); written back at its end when ``write`` (also when the block raises: a
+        half-done write-back is worse than none only if the bytes are not the chunk's, and they are)."""
+        chunks = self.load(family, kinds)
+        try:
+            yield chunks
+        finally:
+            if chunks:
+                self.unload(family, chunks, write=write)
+
+    @contextmanager
+    def one_at_a_time(
+        self, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
+    ) -> Iterator[Callable[[ChunkFamily], None]]:
+        """Inside the block, ``need(family)`` loads ``family``'s disk chunks, ending the loan of the family needed
+        before (written back when ``write``): for readers that go through records family after family."""
+        current: list[tuple[ChunkFamily, list[Chunk]]] = []
+
+        def need(family: ChunkFamily) -> None:
+            if current and current[0][0] is family:
+                return
+            if current:
+                self.unload(*current.pop(), write=write)
+            if self.holds(family):
+                current.append((family, self.load(family, kinds)))
+
+        try:
+            yield need
+        finally:
+            if current:
+                self.unload(*current.pop(), write=write)
+
+    def hold_for_setup(self, family: ChunkFamily) -> None:
+        """Setup writes ``family``'s master slot by slot: keep it loaded until another family (or
+        :meth:`flush_setup`) needs the buffers, so each family is read and written once."""
+        if self._setup_family is family:
+            return
+        self.flush_setup()
+        if self.load(family, (ChunkKind.MASTER,)):
+            self._setup_family = family
+
+    def flush_setup(self) -> None:
+        """Write back the family :meth:`hold_for_setup` kept loaded."""
+        family, self._setup_family = self._setup_family, None
+        if family is not None:
+            self.unload(family, [c for c in self.chunks_of(family) if c.lent], write=True)
+
+    def close(self) -> None:
+        """Remove the run's files and directory (idempotent)."""
+        self._setup_family = None
+        self.store.close()
