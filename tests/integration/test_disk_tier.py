@@ -1,0 +1,144 @@
+"""The disk tier wired to the chunks: families whose optimizer side the host budget cannot hold keep it in files under
+``disk_path`` ([Note: disk families] in ``runtime/disk_tier.py``), and placement never changes the arithmetic.
+
+Each parity test trains the same seed and data twice with the optimizer side on the host
+(``optimizer_placement="host"``): once with a host budget that holds it all, once with a host budget that forces
+some families to disk. Losses, weights and optimizer states must be bitwise equal (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
+from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.report import MemoryReport
+from lightning_pstar.runtime.state import Tier
+from tests.helpers import TinyLM, assert_states_equal
+from tests.helpers.fabric_loop import LoopSpec, train
+from tests.helpers.runs import FitResult, OptimSpec, fit_steps
+
+BASE = {"optimizer_placement": "host", "chunk_size": 4096, "device_memory_limit": "64MiB"}
+ROOMY = "64MiB"  # holds every family's optimizer side
+TIGHT = "640KiB"  # TinyLM (13 families of 4096 elements): some families go to disk, some stay on the host
+STEPS = 3
+
+
+class Peek(L.Callback):
+    """The memory report and the families on disk at the end of training (while the engine still runs)."""
+
+    report: MemoryReport | None = None
+    on_disk: int = 0
+    families: int = 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        self.report = strategy.memory_report()  # type: ignore[attr-defined]
+        manager = strategy._manager  # type: ignore[attr-defined]
+        self.families = sum(1 for f in manager.families if f.trainable)
+        self.on_disk = sum(1 for f in manager.families if manager.residency.optimizer_tier_of(f) is Tier.DISK)
+
+
+def _strategy(disk: Path | None, host: str, **options: Any) -> PatrickStarStrategy:
+    extra = {"disk_path": str(disk)} if disk is not None else {}
+    return PatrickStarStrategy(**BASE, host_memory_limit=host, **extra, **options)
+
+
+def _fit(disk: Path | None, host: str, precision: str, optim: OptimSpec | None = None, **kw: Any) -> FitResult:
+    options = kw.pop("options", {})
+    return fit_steps(TinyLM(optim=optim), _strategy(disk, host, **options), precision=precision, steps=STEPS, **kw)
+
+
+def _optimizer_state(result: FitResult) -> dict[str, torch.Tensor]:
+    """The user's optimizer state after the hand-back, flat: ``<index>/<field>`` -> tensor."""
+    state = result.trainer.optimizers[0].state_dict()["state"]
+    return {f"{i}/{k}": v for i, entry in state.items() for k, v in entry.items()}
+
+
+def _assert_bitwise(got: FitResult, want: FitResult, what: str) -> None:
+    assert got.losses == want.losses, f"{what}: losses differ"
+    assert_states_equal(got.final, want.final, what=f"{what}: weights")
+    assert_states_equal(_optimizer_state(got), _optimizer_state(want), what=f"{what}: optimizer state")
+
+
+@pytest.mark.parametrize(
+    ("precision", "trainer_kwargs"),
+    [
+        ("32-true", {}),
+        ("bf16-mixed", {}),
+        ("bf16-mixed", {"gradient_clip_val": 0.5}),
+        ("32-true", {"accumulate_grad_batches": 2}),
+        ("bf16-mixed", {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
+    ],
+    ids=["32-true", "bf16", "bf16-clip", "32-true-accumulate", "bf16-accumulate-clip"],
+)
+def test_trainer_bitwise_with_disk_tier(tmp_path: Path, precision: str, trainer_kwargs: dict[str, Any]) -> None:
+    peek = Peek()
+    got = _fit(tmp_path, TIGHT, precision, callbacks=[peek], **trainer_kwargs)
+    want = _fit(None, ROOMY, precision, **trainer_kwargs)
+    assert 0 < peek.on_disk < peek.families, "the tight host budget must put some families, not all, on disk"
+    assert peek.report is not None and "disk" in peek.report.optimizer_tier
+    _assert_bitwise(got, want, f"{precision} {trainer_kwargs}")
+    assert os.listdir(tmp_path) == [], "the run directory is removed at the end of the run"
+
+
+def test_sgd_momentum_bitwise_with_disk_tier(tmp_path: Path) -> None:
+    """SGD with momentum (its buffer is the one optimizer state on disk; a wrong scale would show)."""
+    sgd = OptimSpec(name="sgd", lr=0.05, momentum=0.9)
+    got = _fit(tmp_path, TIGHT, "bf16-mixed", optim=sgd)
+    want = _fit(None, ROOMY, "bf16-mixed", optim=sgd)
+    _assert_bitwise(got, want, "sgd momentum")
+
+
+@pytest.mark.parametrize(("precision", "clip", "accumulate"), [("32-true", None, 2), ("bf16-mixed", 0.5, 1)])
+def test_fabric_bitwise_with_disk_tier(tmp_path: Path, precision: str, clip: float | None, accumulate: int) -> None:
+    """(Fabric declares no accumulation at setup: in mixed precision its fp32 gradient sums come later, outside the
+    setup's host figures, so the bf16 case does not accumulate under the tight budget.)"""
+
+    def run(disk: Path | None, host: str) -> Any:
+        extra = {"disk_path": str(disk)} if disk is not None else {}
+        strategy = PatrickStarFabricStrategy(**BASE, host_memory_limit=host, **extra)
+        spec = LoopSpec(strategy=strategy, precision=precision, steps=STEPS, accumulate=accumulate, clip_norm=clip)
+        result = train(spec)
+        tiers.append(strategy.memory_report().optimizer_tier)
+        return result
+
+    tiers: list[str] = []
+    got, want = run(tmp_path, TIGHT), run(None, ROOMY)
+    assert "disk" in tiers[0] and "disk" not in tiers[1], tiers
+    assert got.losses == want.losses
+    assert_states_equal(got.state, want.state, what=f"fabric {precision}")
+
+
+def test_roomy_host_budget_uses_no_disk(tmp_path: Path) -> None:
+    """disk_path set, but the host budget holds the optimizer side: nothing goes to disk (no run directory)."""
+    peek = Peek()
+    _fit(tmp_path, ROOMY, "32-true", callbacks=[peek])
+    assert peek.on_disk == 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_disk_path_refused_at_setup(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match="does not exist"):
+        _fit(missing, TIGHT, "32-true")
+    assert not missing.exists()
+
+
+def test_disk_budget_too_small_refused_at_setup(tmp_path: Path) -> None:
+    with pytest.raises(MemoryBudgetError, match="disk budget"):
+        _fit(tmp_path, TIGHT, "32-true", options={"disk_memory_limit": "4KiB"})
+    assert os.listdir(tmp_path) == [], "refused before the run directory was created"
+
+
+def test_host_budget_too_small_even_with_disk(tmp_path: Path) -> None:
+    """Every family on disk still leaves more than the host budget: refused with the disk-tier figures."""
+    with pytest.raises(MemoryBudgetError, match="disk-tier buffers"):
+        _fit(tmp_path, "200KiB", "32-true")
+    assert os.listdir(tmp_path) == []
