@@ -160,11 +160,12 @@ class TransferStats:
     step_d2h_bytes: int = 0  # copied to the host by host-side optimizer steps that left the chunk on the device
     step_h2d_bytes: int = 0  # ... and copied back by them (runtime/pipeline.py)
     param_chunks_on_host: int = 0  # param chunks whose bytes are on the host now (what a prefetch could bring)
-    per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0})
+    # DISK gets its entry when a chunk first goes there ([Note: disk families] in disk_tier.py)
+    per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0})
     peak_device_bytes: int = 0
 
     def allocated(self, tier: Tier, nbytes: int) -> None:
-        self.per_tier_bytes[tier] += nbytes
+        self.per_tier_bytes[tier] = self.per_tier_bytes.get(tier, 0) + nbytes
         if tier is Tier.DEVICE:
             self.peak_device_bytes = max(self.peak_device_bytes, self.per_tier_bytes[tier])
 

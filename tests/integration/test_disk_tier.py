@@ -15,14 +15,18 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
+from lightning_pstar.checkpoint import consolidate
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.state import Tier
 from tests.helpers import TinyLM, assert_states_equal
+from tests.helpers.data import make_loader
 from tests.helpers.fabric_loop import LoopSpec, train
-from tests.helpers.runs import FitResult, OptimSpec, fit_steps
+from tests.helpers.models import SEED
+from tests.helpers.runs import FitResult, OptimSpec, fit, fit_steps
 
 BASE = {"optimizer_placement": "host", "chunk_size": 4096, "device_memory_limit": "64MiB"}
 ROOMY = "64MiB"  # holds every family's optimizer side
@@ -142,3 +146,64 @@ def test_host_budget_too_small_even_with_disk(tmp_path: Path) -> None:
     with pytest.raises(MemoryBudgetError, match="disk-tier buffers"):
         _fit(tmp_path, "200KiB", "32-true")
     assert os.listdir(tmp_path) == []
+
+
+# ---- checkpoints and resume ------------------------------------------------------------------------------------
+
+
+def _checkpointed(
+    disk: Path | None, host: str, fmt: str, ckpt_dir: Path, ckpt_path: Path | None = None, peek: Peek | None = None
+) -> FitResult:
+    """Two epochs of two steps, a checkpoint at the end of each epoch (``epoch=<n>.ckpt``); resumed from
+    ``ckpt_path`` when given (plain Lightning resumes bitwise from an epoch boundary)."""
+    save = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    return fit(
+        TinyLM(seed=999 if ckpt_path is not None else SEED),
+        strategy=_strategy(disk, host, checkpoint=fmt),
+        loader=make_loader(n_seq=8),
+        precision="bf16-mixed",
+        max_steps=-1,
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[save] if peek is None else [save, peek],
+        ckpt_path=str(ckpt_path) if ckpt_path is not None else None,
+    )
+
+
+def _saved(path: Path, tmp: Path) -> dict[str, Any]:
+    if path.is_dir():
+        out = tmp / f"{path.name}.consolidated"
+        consolidate(path, out)
+        path = out
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
+def test_checkpoint_and_resume_across_disk_tier(fmt: str, tmp_path: Path) -> None:
+    """Saves read the disk families (the checkpoints equal those of the run without disk tier); a resume with the
+    disk tier from a checkpoint of a run without it, and the other way round, continue bitwise."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    peek = Peek()
+    with_disk = _checkpointed(disk, TIGHT, fmt, tmp_path / "a", peek=peek)
+    assert 0 < peek.on_disk < peek.families
+    without = _checkpointed(None, ROOMY, fmt, tmp_path / "b")
+    _assert_bitwise(with_disk, without, "uninterrupted")
+    for name in ("epoch=0.ckpt", "epoch=1.ckpt"):
+        got, want = _saved(tmp_path / "a" / name, tmp_path), _saved(tmp_path / "b" / name, tmp_path)
+        assert_states_equal(got["state_dict"], want["state_dict"], what=f"{name} weights")
+        got_opt, want_opt = got["optimizer_states"][0]["state"], want["optimizer_states"][0]["state"]
+        assert_states_equal(
+            {f"{i}/{k}": v for i, e in got_opt.items() for k, v in e.items()},
+            {f"{i}/{k}": v for i, e in want_opt.items() for k, v in e.items()},
+            what=f"{name} optimizer state",
+        )
+    peek = Peek()
+    onto_disk = _checkpointed(disk, TIGHT, fmt, tmp_path / "c", ckpt_path=tmp_path / "b" / "epoch=0.ckpt", peek=peek)
+    assert peek.on_disk > 0
+    off_disk = _checkpointed(None, ROOMY, fmt, tmp_path / "d", ckpt_path=tmp_path / "a" / "epoch=0.ckpt")
+    for resumed, what in ((onto_disk, "resumed onto the disk tier"), (off_disk, "resumed without it")):
+        assert resumed.losses == without.losses[2:], what
+        assert_states_equal(resumed.final, without.final, what=f"{what}: weights")
+        assert_states_equal(_optimizer_state(resumed), _optimizer_state(without), what=f"{what}: optimizer state")
+    assert os.listdir(disk) == []
