@@ -9,6 +9,8 @@ run), or returns None where the family does not step this way (the caller then r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch
 import lightning_pstar.optim.kernels as kernels
 from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.disk_tier import DiskTier
 from lightning_pstar.runtime.family import ChunkFamily
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.parked import ParkedParameterError, park, unpark
@@ -66,7 +69,9 @@ def host_job(
     residency = manager.residency
     chunk = family.param_chunk
     mixed = manager.mixed
-    if residency.optimizer_tier_of(family) is not Tier.HOST or chunk.tier is not Tier.DEVICE:
+    tier = residency.optimizer_tier_of(family)
+    disk = residency.disk if tier is Tier.DISK else None
+    if tier is not Tier.HOST and disk is None or chunk.tier is not Tier.DEVICE:
         return None
     if not grads_in_place(family, mixed=mixed):
         return None
@@ -74,9 +79,15 @@ def host_job(
     if not mixed and (grad_chunk is None or grad_chunk.tier is not Tier.HOST):
         return None
     master_chunk = family.chunks.get(ChunkKind.MASTER)
-    if mixed and (master_chunk is None or master_chunk.tier is not Tier.HOST):
+    if mixed and (master_chunk is None or master_chunk.tier is not tier):
         return None
+    if disk is not None and not disk.free_sets:
+        return None  # the caller finishes a disk job in flight first (see ChunkedOptimizer._step_families)
     steps = steps_of()
+    # a disk family's states are read into a lent buffer set now; the Adam stage waits for them, and issues their
+    # write-back, which the finish waits for (read k+1, Adam k and write k-1 overlap: [Note: disk families])
+    reads = disk.begin_load(family) if disk is not None else []
+    writes: list[Future[None]] = []
     host, current = residency.stage_host(family)
     device = chunk.device_buffer
     states = (family.chunks[ChunkKind.EXP_AVG].data, family.chunks[ChunkKind.EXP_AVG_SQ].data)
@@ -86,6 +97,8 @@ def host_job(
     numel = plan.end - plan.start
 
     def adam(scratch: torch.Tensor) -> None:
+        for read in reads:
+            read.result()
         if mixed:
             grad_range = scratch
             grad_range.copy_(host[plan.start : plan.end])  # exactly Tensor.float(), into the stage's scratch
@@ -101,8 +114,12 @@ def host_job(
         )
         if mixed:
             torch._foreach_copy_(plan.slots(host), masters)
+        if disk is not None:
+            writes.extend(disk.begin_write(family))
 
     def finish(copied_back: bool) -> None:
+        if disk is not None:
+            disk.end_load(family, writes)  # raises a failed write-back, naming its file
         if copied_back:
             copies.wait_back()
             residency.unstage(family)
@@ -114,7 +131,7 @@ def host_job(
             else:
                 residency.point_at_chunk(record)
 
-    return HostJob(
+    job = HostJob(
         family_id=family.family_id,
         d2h=copies.out,
         adam=adam,
@@ -122,6 +139,14 @@ def host_job(
         finish=finish,
         scratch_numel=numel if mixed else 0,
     )
+    if disk is not None:  # a stage raised: every transfer ends and the buffer set is freed, then the error goes on
+        job.failed.append(lambda: _end_failed_load(disk, family, [*reads, *writes]))
+    return job
+
+
+def _end_failed_load(disk: DiskTier, family: ChunkFamily, pending: list[Future[None]]) -> None:
+    with suppress(Exception):  # the stage's own error is the one to see
+        disk.end_load(family, pending)
 
 
 class _Copies:

@@ -57,6 +57,7 @@ from lightning_pstar.optim.host_step import host_job, park, snapshot_groups, unp
 from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.disk_tier import DiskTier
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.hooks import holds_compiled_code
 from lightning_pstar.runtime.manager import ChunkManager
@@ -245,12 +246,22 @@ class ChunkedOptimizer(Optimizer):
         """Step ``families``: host-side ones through the pipeline where ``optimizer_overlap`` allows (the step
         pipeline's workers), the rest here, serially; the caller finishes the jobs."""
         pipelined = self._overlap
+        disk = self._manager.disk
         for family in families:
+            if pipelined and disk is not None and disk.holds(family) and not disk.free_sets:
+                self._finish_oldest_disk_job(disk)  # its buffer set takes the next disk family
             job = self._host_job(family, coef) if pipelined else None
             if job is not None:
                 self._manager.pipeline.submit(job)
             else:
                 self._step_family(family, coef)
+
+    def _finish_oldest_disk_job(self, disk: DiskTier) -> None:
+        """Finish the disk family's job submitted first (its write-back included): all buffer sets are lent."""
+        pipeline = self._manager.pipeline
+        oldest = next((fid for fid in pipeline.family_ids if fid in disk.family_ids), None)
+        if oldest is not None:
+            pipeline.wait(oldest)
 
     def _leave_in_flight(self) -> None:
         """``optimizer_overlap="next_forward"``: return while jobs are in flight. Their parameters are parked until
@@ -320,6 +331,8 @@ class ChunkedOptimizer(Optimizer):
         """A family's final gradients all landed during the backward: start its host step if it is ours."""
         if family.family_id not in self._own_ids or not family.trainable:
             return False
+        if self._manager.residency.optimizer_tier_of(family) is Tier.DISK:
+            return False  # a disk family steps at optimizer.step(), when its buffer sets can rotate
         job = self._host_job(family, 1.0)
         if job is None:
             return False

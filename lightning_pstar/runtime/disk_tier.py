@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -193,6 +194,44 @@ class DiskTier:
                 buffers = self._loans.pop(family.family_id, None)
                 if buffers is not None:
                     self._free.append(buffers)
+
+    # ---- the pipelined step ([Note: the step pipeline] in runtime/pipeline.py) -------------------------------
+    @property
+    def free_sets(self) -> int:
+        """Buffer sets not lent: how many more families :meth:`begin_load` can take now."""
+        return len(self._free)
+
+    def begin_load(self, family: ChunkFamily) -> list[Future[None]]:
+        """The calling thread: lend ``family``'s disk chunks a buffer set and start reading them into it; the
+        chunks' bytes are there once every returned future is done (the job's Adam stage waits for them)."""
+        self.flush_setup()
+        chunks = [c for c in self.chunks_of(family) if not c.lent]
+        assert chunks and self._free and family.family_id not in self._loans, "begin_load: nothing to lend"
+        buffers = self._loans[family.family_id] = self._free.pop()
+        futures = []
+        for chunk in chunks:
+            buf = buffers[self._index[chunk.kind]][: chunk.capacity]
+            futures.append(self.store.read(self.key(chunk), buf))
+            chunk.lend(buf)
+        return futures
+
+    def begin_write(self, family: ChunkFamily) -> list[Future[None]]:
+        """A worker: start writing ``family``'s lent chunks back (no bookkeeping: the store is thread-safe)."""
+        return [self.store.write(self.key(c), c.data) for c in self.chunks_of(family) if c.lent]
+
+    def end_load(self, family: ChunkFamily, pending: Sequence[Future[None]]) -> None:
+        """The calling thread: wait for ``pending`` transfers, end the loans and free the set; raises the first
+        transfer's error (the loans end anyway)."""
+        errors = [f.exception() for f in pending]
+        for chunk in self.chunks_of(family):
+            if chunk.lent:
+                chunk.take_back()
+        buffers = self._loans.pop(family.family_id, None)
+        if buffers is not None:
+            self._free.append(buffers)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     @contextmanager
     def loaded(

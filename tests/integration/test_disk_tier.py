@@ -28,7 +28,7 @@ from tests.helpers.fabric_loop import LoopSpec, train
 from tests.helpers.models import SEED
 from tests.helpers.runs import FitResult, OptimSpec, fit, fit_steps
 
-BASE = {"optimizer_placement": "host", "chunk_size": 4096, "device_memory_limit": "64MiB"}
+BASE = {"optimizer_placement": "host", "chunk_size": 4096, "device_memory_limit": "64MiB", "optimizer_overlap": "off"}
 ROOMY = "64MiB"  # holds every family's optimizer side
 TIGHT = "640KiB"  # TinyLM (13 families of 4096 elements): some families go to disk, some stay on the host
 STEPS = 3
@@ -40,6 +40,7 @@ class Peek(L.Callback):
     report: MemoryReport | None = None
     on_disk: int = 0
     families: int = 0
+    jobs: int = 0  # host steps run by the step pipeline
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
@@ -47,11 +48,12 @@ class Peek(L.Callback):
         manager = strategy._manager  # type: ignore[attr-defined]
         self.families = sum(1 for f in manager.families if f.trainable)
         self.on_disk = sum(1 for f in manager.families if manager.residency.optimizer_tier_of(f) is Tier.DISK)
+        self.jobs = manager.pipeline.times.jobs
 
 
 def _strategy(disk: Path | None, host: str, **options: Any) -> PatrickStarStrategy:
     extra = {"disk_path": str(disk)} if disk is not None else {}
-    return PatrickStarStrategy(**BASE, host_memory_limit=host, **extra, **options)
+    return PatrickStarStrategy(**{**BASE, **options}, host_memory_limit=host, **extra)
 
 
 def _fit(disk: Path | None, host: str, precision: str, optim: OptimSpec | None = None, **kw: Any) -> FitResult:
@@ -90,6 +92,18 @@ def test_trainer_bitwise_with_disk_tier(tmp_path: Path, precision: str, trainer_
     assert peek.report is not None and "disk" in peek.report.optimizer_tier
     _assert_bitwise(got, want, f"{precision} {trainer_kwargs}")
     assert os.listdir(tmp_path) == [], "the run directory is removed at the end of the run"
+
+
+@pytest.mark.parametrize("overlap", ["auto", "next_forward"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_pipelined_disk_step_bitwise_serial(tmp_path: Path, precision: str, overlap: str) -> None:
+    """The pipelined step (read k+1 while Adam runs on k and k-1 is written back) against the serial disk step."""
+    peek = Peek()
+    got = _fit(tmp_path, TIGHT, precision, callbacks=[peek], options={"optimizer_overlap": overlap})
+    want = _fit(tmp_path, TIGHT, precision, options={"optimizer_overlap": "off"})
+    assert peek.on_disk > 3 and peek.jobs > 0, "more disk families than buffer sets, stepped by the pipeline"
+    _assert_bitwise(got, want, f"pipelined {precision} {overlap}")
+    assert os.listdir(tmp_path) == []
 
 
 def test_sgd_momentum_bitwise_with_disk_tier(tmp_path: Path) -> None:
