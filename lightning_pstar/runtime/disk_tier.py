@@ -35,7 +35,7 @@ import torch
 from lightning_pstar.planning.layout import Layout, owner_of
 from lightning_pstar.runtime.aligned import ALIGNMENT, align_up, aligned_empty
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind
-from lightning_pstar.runtime.disk import DEFAULT_BLOCK_BYTES, DiskStore
+from lightning_pstar.runtime.disk import DEFAULT_BLOCK_BYTES, DiskStats, DiskStore
 from lightning_pstar.runtime.family import ChunkFamily
 from lightning_pstar.runtime.state import Tier
 
@@ -118,6 +118,8 @@ class DiskTier:
         self._index = {kind: i for i, kind in enumerate(DISK_KINDS[len(DISK_KINDS) - kinds :])}  # kind -> buffer
         self._loans: dict[int, list[torch.Tensor]] = {}  # family id -> the buffer set lent to its chunks
         self._setup_family: ChunkFamily | None = None  # held (dirty) across setup's slot fills: :meth:`hold_for_setup`
+        self._fresh: set[str] = set()  # keys never written: their bytes are zeros, a load zeroes instead of reading
+        self.last_iteration: DiskStats | None = None  # what the last whole iteration after the warm-up moved
 
     @staticmethod
     def buffer_bytes(*, capacity: int, kinds: int, depth: int) -> int:
@@ -141,6 +143,7 @@ class DiskTier:
     def place(self, chunk: Chunk) -> None:
         """Give a new optimizer-side chunk its file (allocated in full now; it reads as zeros)."""
         self.store.reserve(self.key(chunk), chunk.capacity, chunk.dtype)
+        self._fresh.add(self.key(chunk))
         chunk.place_on_disk()
 
     def chunks_of(self, family: ChunkFamily, kinds: Sequence[ChunkKind] = DISK_KINDS) -> list[Chunk]:
@@ -163,10 +166,7 @@ class DiskTier:
                     f" {family.family_id} ({len(self._loans)} families loaded). HINT: please report this."
                 )
             buffers = self._loans[family.family_id] = self._free.pop()
-        futures = []
-        for chunk in chunks:
-            buf = buffers[self._index[chunk.kind]][: chunk.capacity]
-            futures.append(self.store.read(self.key(chunk), buf))
+        futures = [self._read(chunk, buffers[self._index[chunk.kind]][: chunk.capacity]) for chunk in chunks]
         try:
             for future in futures:
                 future.result()
@@ -184,6 +184,7 @@ class DiskTier:
         """End the loans of ``chunks`` (written back first when ``write``); the set is free once none is lent."""
         try:
             if write:
+                self._fresh.difference_update(self.key(c) for c in chunks)
                 futures = [self.store.write(self.key(c), c.data) for c in chunks]
                 for future in futures:
                     future.result()
@@ -211,9 +212,20 @@ class DiskTier:
         futures = []
         for chunk in chunks:
             buf = buffers[self._index[chunk.kind]][: chunk.capacity]
-            futures.append(self.store.read(self.key(chunk), buf))
+            futures.append(self._read(chunk, buf))
             chunk.lend(buf)
+            self._fresh.discard(self.key(chunk))  # the job writes it back
         return futures
+
+    def _read(self, chunk: Chunk, buf: torch.Tensor) -> Future[None]:
+        """Start reading ``chunk``'s file into ``buf`` (a file never written: zeroes ``buf``, done at once)."""
+        key = self.key(chunk)
+        if key in self._fresh:
+            buf.zero_()
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return self.store.read(key, buf)
 
     def begin_write(self, family: ChunkFamily) -> list[Future[None]]:
         """A worker: start writing ``family``'s lent chunks back (no bookkeeping: the store is thread-safe)."""
@@ -283,6 +295,10 @@ class DiskTier:
         family, self._setup_family = self._setup_family, None
         if family is not None:
             self.unload(family, [c for c in self.chunks_of(family) if c.lent], write=True)
+
+    def end_iteration(self) -> None:
+        """An iteration after the warm-up ended: keep its counts (the report's per-iteration figures)."""
+        self.last_iteration = self.store.reset_iteration()
 
     def close(self) -> None:
         """Remove the run's files and directory (idempotent)."""

@@ -289,7 +289,11 @@ class Residency:
             return
         if self._iteration_mark is None:
             self._iteration_mark = self.stats.moved_bytes  # the first iteration after the warm-up starts
+            if self.disk is not None:
+                self.disk.store.reset_iteration()
         elif self._stepped_since_mark:
+            if self.disk is not None:
+                self.disk.end_iteration()
             self.last_iteration_moved_bytes = self.stats.moved_bytes - self._iteration_mark
             self._iteration_mark = self.stats.moved_bytes
             self.iterations_measured += 1

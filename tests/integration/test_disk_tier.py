@@ -8,6 +8,7 @@ some families to disk. Losses, weights and optimizer states must be bitwise equa
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
 from lightning_pstar.checkpoint import consolidate
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import MemoryReport
+from lightning_pstar.runtime.disk import DiskIOError
 from lightning_pstar.runtime.state import Tier
 from tests.helpers import TinyLM, assert_states_equal
 from tests.helpers.data import make_loader
@@ -89,7 +91,14 @@ def test_trainer_bitwise_with_disk_tier(tmp_path: Path, precision: str, trainer_
     got = _fit(tmp_path, TIGHT, precision, callbacks=[peek], **trainer_kwargs)
     want = _fit(None, ROOMY, precision, **trainer_kwargs)
     assert 0 < peek.on_disk < peek.families, "the tight host budget must put some families, not all, on disk"
-    assert peek.report is not None and "disk" in peek.report.optimizer_tier
+    report = peek.report
+    assert report is not None and "disk" in report.optimizer_tier
+    assert report.disk_families == peek.on_disk and report.disk_chunk_bytes > 0
+    if "accumulate_grad_batches" not in trainer_kwargs:  # each disk family read and written once per iteration
+        assert report.disk_read_bytes_per_iteration == report.disk_chunk_bytes
+        assert report.disk_written_bytes_per_iteration == report.disk_chunk_bytes
+    assert report.disk_read_gbps > 0 and report.disk_write_gbps > 0
+    assert "chunks on disk" in str(report)
     _assert_bitwise(got, want, f"{precision} {trainer_kwargs}")
     assert os.listdir(tmp_path) == [], "the run directory is removed at the end of the run"
 
@@ -221,3 +230,27 @@ def test_checkpoint_and_resume_across_disk_tier(fmt: str, tmp_path: Path) -> Non
         assert_states_equal(resumed.final, without.final, what=f"{what}: weights")
         assert_states_equal(_optimizer_state(resumed), _optimizer_state(without), what=f"{what}: optimizer state")
     assert os.listdir(disk) == []
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", ["off", "auto"])
+def test_io_error_mid_step_names_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: str) -> None:
+    """A read that fails during an optimizer step raises naming the file; the run directory still goes."""
+
+    def failing(fd: int, buffers: Any, offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    class Arm(L.Callback):
+        """From the second step on, every read of the disk tier fails (only the disk tier reads with preadv)."""
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1:
+                monkeypatch.setattr(os, "preadv", failing)
+
+    with pytest.raises(
+        DiskIOError, match=r"read of .* bytes at offset 0 of .*pstar-run-.*/f\d+\.\w+\.pstar failed.*HINT"
+    ):
+        _fit(tmp_path, TIGHT, "bf16-mixed", callbacks=[Arm()], options={"optimizer_overlap": overlap})
+    assert os.listdir(tmp_path) == []
