@@ -265,7 +265,7 @@ class ChunkedOptimizer(Optimizer):
 
     def _leave_in_flight(self) -> None:
         """``optimizer_overlap="next_forward"``: return while jobs are in flight. Their parameters are parked until
-        the job is done ([Note: parked parameters] in ``host_step.py``: a read outside the engine fails loudly
+        the job is done ([Note: parked parameters] in ``runtime/parked.py``: a read outside the engine fails loudly
         instead of reading a half-updated weight); each job then points them back at their slots and forgets its
         family's gradients, as ``zero_grad`` does for the families already done."""
         manager = self._manager
