@@ -29,9 +29,11 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
+from lightning_pstar.config import MemoryConfig
 from lightning_pstar.planning.layout import Layout, owner_of
 from lightning_pstar.runtime.aligned import ALIGNMENT, align_up, aligned_empty
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind
@@ -43,11 +45,14 @@ __all__ = [
     "DISK_DEPTH",
     "DISK_KINDS",
     "DISK_THREADS",
+    "DiskPlan",
     "DiskTier",
     "choose_disk_families",
     "disk_block_bytes",
     "disk_buffer_bytes",
     "disk_bytes_per_element",
+    "open_disk_tier",
+    "plan_disk_tier",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,6 +99,43 @@ def choose_disk_families(layout: Layout, *, rank: int, world_size: int, excess: 
             chosen.append(chunk.chunk_id)
             freed += chunk.capacity * per_element
     return sorted(chosen)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiskPlan:
+    """Which families go to disk, and the bytes that takes off the host and adds to it."""
+
+    family_ids: list[int]
+    on_disk: int  # bytes of their fp32 masters and optimizer states
+    buffers: int  # host bytes of the disk tier's buffer sets and staging arena
+    capacity: int  # elements of the largest trainable chunk (the buffers' size)
+
+
+def plan_disk_tier(layout: Layout, *, master: int, optimizer: int, rank: int, world_size: int, excess: int) -> DiskPlan:
+    """The families whose optimizer side (``master`` + ``optimizer`` bytes per element) goes to disk so that the
+    host need drops by ``excess`` bytes plus the disk tier's own host buffers (:func:`choose_disk_families`)."""
+    per_element = disk_bytes_per_element(master=master, optimizer=optimizer)
+    capacity = max((c.capacity for c in layout.chunks if c.trainable), default=0)
+    buffers = disk_buffer_bytes(capacity, mixed=master > 0)
+    ids = choose_disk_families(
+        layout, rank=rank, world_size=world_size, excess=excess + buffers, per_element=per_element
+    )
+    on_disk = sum(layout.chunks[i].capacity * per_element for i in ids)
+    return DiskPlan(family_ids=ids, on_disk=on_disk, buffers=buffers, capacity=capacity)
+
+
+def open_disk_tier(plan: DiskPlan, memory: MemoryConfig, *, mixed: bool, device: torch.device) -> DiskTier:
+    """The disk tier of ``plan``: its store under ``memory.disk_path`` (the run directory is created now)."""
+    assert memory.disk_path is not None
+    store = DiskStore(
+        memory.disk_path,
+        limit_bytes=memory.disk_limit_bytes,
+        threads=DISK_THREADS,
+        block_bytes=disk_block_bytes(plan.capacity),
+        device=device,
+    )
+    log.info("PatrickStar: %d families keep their optimizer side on disk in %s", len(plan.family_ids), store.path)
+    return DiskTier(store, plan.family_ids, capacity=plan.capacity, kinds=3 if mixed else 2, depth=DISK_DEPTH)
 
 
 class DiskTier:

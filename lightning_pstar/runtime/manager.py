@@ -41,17 +41,8 @@ from lightning_pstar.runtime.budgets import (
 )
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
-from lightning_pstar.runtime.disk import DiskStore, check_disk_path
-from lightning_pstar.runtime.disk_tier import (
-    DISK_DEPTH,
-    DISK_KINDS,
-    DISK_THREADS,
-    DiskTier,
-    choose_disk_families,
-    disk_block_bytes,
-    disk_buffer_bytes,
-    disk_bytes_per_element,
-)
+from lightning_pstar.runtime.disk import check_disk_path
+from lightning_pstar.runtime.disk_tier import DISK_KINDS, DiskPlan, DiskTier, open_disk_tier, plan_disk_tier
 from lightning_pstar.runtime.family import (
     ChunkFamily,
     ParamRecord,
@@ -135,7 +126,8 @@ class ChunkManager:
         )
         # [Note: the host need] in planning/tiers.py; the disk tier's buffers: [Note: disk families]
         self.residency.host_scratch_bytes = self.setup_need.scratch + self.setup_need.disk_buffers
-        self._open_disk_tier()
+        if self._disk_plan is not None and self._disk_plan.family_ids:  # [Note: disk families] in disk_tier.py
+            self.residency.disk = open_disk_tier(self._disk_plan, config.memory, mixed=self.mixed, device=device)
         self.residency.optimizer_tier = self._optimizer_start_tier(policy, device_budget)
         self.residency.hybrid_optimizer = config.placement.optimizer is OptimizerPlacement.AUTO
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
@@ -191,7 +183,7 @@ class ChunkManager:
             )
         start = self._optimizer_start_tier(policy, device_budget)
         warn_unbound_host_limit(config, device)
-        self._disk_ids: list[int] = []
+        self._disk_plan: DiskPlan | None = None
         disk_split = self._disk_split if config.memory.disk_path is not None and start is Tier.HOST else None
         self.setup_need = check_setup_budgets(
             self.layout,
@@ -207,82 +199,52 @@ class ChunkManager:
             pinned=device.type == "cuda",
             disk_split=disk_split,
         )
-        if self._disk_ids:  # refused before anything is allocated ([Note: disk families] in runtime/disk_tier.py)
+        if self._disk_plan is not None and self._disk_plan.family_ids:  # refused before anything is allocated
             check_disk_path(config.memory.disk_path, self.setup_need.disk, config.memory.disk_limit_bytes)
         elif config.memory.disk_path is not None:
             log.info("PatrickStar: disk_path is set, but the host budget holds the optimizer side: no disk tier.")
         return device_budget, host_budget, policy
 
     def _disk_split(self, excess: int) -> tuple[int, int]:
-        """The families whose optimizer side goes to disk to cover ``excess`` bytes of host need, and the bytes
-        they take off the host and the disk tier's host buffers add (see ``check_setup_budgets``)."""
+        """The disk tier's share of the host need (``check_setup_budgets``): :func:`plan_disk_tier`."""
         bpe = self.bytes_per_element()
-        per_element = disk_bytes_per_element(master=bpe.master, optimizer=bpe.optimizer)
-        trainable = [c.capacity for c in self.layout.chunks if c.trainable]
-        capacity = max(trainable, default=0)
-        buffers = disk_buffer_bytes(capacity, mixed=self.mixed)
-        self._disk_ids = choose_disk_families(
-            self.layout, rank=self.rank, world_size=self.world_size, excess=excess + buffers, per_element=per_element
-        )
-        on_disk = sum(self.layout.chunks[i].capacity * per_element for i in self._disk_ids)
-        return on_disk, buffers
-
-    def _open_disk_tier(self) -> None:
-        """The disk families' store under ``disk_path`` (its run directory is created now, before any chunk)."""
-        if not self._disk_ids:
-            return
-        capacity = max(c.capacity for c in self.layout.chunks if c.trainable)
-        memory = self.config.memory
-        assert memory.disk_path is not None
-        store = DiskStore(
-            memory.disk_path,
-            limit_bytes=memory.disk_limit_bytes,
-            threads=DISK_THREADS,
-            block_bytes=disk_block_bytes(capacity),
-            device=self.device,
-        )
-        self.residency.disk = DiskTier(
-            store, self._disk_ids, capacity=capacity, kinds=3 if self.mixed else 2, depth=DISK_DEPTH
-        )
-        log.info(
-            "PatrickStar: %d of %d families keep their optimizer side on disk in %s",
-            len(self._disk_ids), len(self.families), store.path,
+        self._disk_plan = plan_disk_tier(
+            self.layout, master=bpe.master, optimizer=bpe.optimizer, rank=self.rank, world_size=self.world_size,
+            excess=excess,
         )  # fmt: skip
+        return self._disk_plan.on_disk, self._disk_plan.buffers
 
     @property
     def disk(self) -> DiskTier | None:
-        """The disk tier, when some families are on it."""
+        """The disk tier, when some families are on it ([Note: disk families] in ``runtime/disk_tier.py``)."""
         return self.residency.disk
 
     def disk_loaded(
         self, family: ChunkFamily, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
     ) -> AbstractContextManager[object]:
-        """Inside the block ``family``'s chunks on disk (if any) read into host buffers; written back at its end
-        when ``write`` ([Note: disk families] in ``runtime/disk_tier.py``)."""
+        """Inside the block ``family``'s chunks on disk (if any) are read into host buffers; written back at its end
+        when ``write``."""
         disk = self.residency.disk
-        if disk is None or not disk.holds(family):
-            return nullcontext()
-        return disk.loaded(family, write=write, kinds=kinds)
+        return (
+            disk.loaded(family, write=write, kinds=kinds) if disk is not None and disk.holds(family) else nullcontext()
+        )
 
     def disk_one_at_a_time(
         self, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
     ) -> AbstractContextManager[Callable[[ChunkFamily], None]]:
-        """:meth:`~lightning_pstar.runtime.disk_tier.DiskTier.one_at_a_time`, or a ``need`` that does nothing."""
+        """:meth:`DiskTier.one_at_a_time`, or a ``need`` that does nothing without a disk tier."""
         disk = self.residency.disk
-        if disk is None:
-            return nullcontext(_no_disk_need)
-        return disk.one_at_a_time(write=write, kinds=kinds)
+        return disk.one_at_a_time(write=write, kinds=kinds) if disk is not None else nullcontext(_no_disk_need)
 
     def flush_disk(self) -> None:
-        """Write back the family a load (or setup) left loaded on the disk tier ([Note: disk families])."""
+        """Write back the family a load (or setup) left loaded on the disk tier."""
         if self.residency.disk is not None:
             self.residency.disk.flush_setup()
 
     def close_disk(self) -> None:
         """Remove the disk tier's files and run directory (the run ends, or its setup failed)."""
-        disk = self.residency.disk
-        if disk is not None:
-            disk.close()
+        if self.residency.disk is not None:
+            self.residency.disk.close()
 
     def _optimizer_start_tier(self, policy: PlacementPolicy, device_budget: int | None) -> Tier:
         """Where optimizer-side chunks start: the policy's choice under ``placement.optimizer="auto"``, else the
@@ -449,7 +411,13 @@ class ChunkManager:
         before = self._forward_versions.pop(index, None) if self.mixed else None
         if before is not None and before != [r.param._version for r in records]:
             written = [r for r, v in zip(records, before, strict=True) if r.param._version != v]
-            copy_forward_writes_to_masters(written, distributed=self.sharding.distributed)
+            if self.residency.disk is None or self.sharding.distributed:
+                copy_forward_writes_to_masters(written, distributed=self.sharding.distributed)
+            else:  # family by family: a master on disk is read and written back once ([Note: disk families])
+                with self.disk_one_at_a_time(write=True, kinds=(ChunkKind.MASTER,)) as need:
+                    for record in sorted(written, key=lambda r: r.family.family_id):
+                        need(record.family)
+                        copy_forward_writes_to_masters([record], distributed=False)
         release_slots(records, _HOLD_AFTER_FWD if backward_follows else _HOLD)  # what release() does
         if self.sharding.distributed:  # one rank releases nothing
             self.sharding.release_passed()
