@@ -33,6 +33,7 @@ from tests.helpers.runs import FitResult, OptimSpec, fit, fit_steps
 BASE = {"optimizer_placement": "host", "chunk_size": 4096, "device_memory_limit": "64MiB", "optimizer_overlap": "off"}
 ROOMY = "64MiB"  # holds every family's optimizer side
 TIGHT = "640KiB"  # TinyLM (13 families of 4096 elements): some families go to disk, some stay on the host
+ALL_ON_DISK = "400KiB"  # bf16-mixed: every family's optimizer side on disk
 STEPS = 3
 
 
@@ -254,3 +255,22 @@ def test_io_error_mid_step_names_the_path(tmp_path: Path, monkeypatch: pytest.Mo
     ):
         _fit(tmp_path, TIGHT, "bf16-mixed", callbacks=[Arm()], options={"optimizer_overlap": overlap})
     assert os.listdir(tmp_path) == []
+
+
+def test_forward_writes_reach_a_master_on_disk(tmp_path: Path) -> None:
+    """``nn.Embedding(max_norm=...)`` renormalises rows in place during forward: in mixed precision the write must
+    reach the fp32 master, here on disk (every family is, under this budget)."""
+
+    def renorm_lm() -> TinyLM:
+        module = TinyLM()
+        assert module.model is not None
+        module.model.wpe.max_norm = 0.3
+        return module
+
+    peek = Peek()
+    got = fit_steps(
+        renorm_lm(), _strategy(tmp_path, ALL_ON_DISK), precision="bf16-mixed", steps=STEPS, callbacks=[peek]
+    )
+    want = fit_steps(renorm_lm(), _strategy(None, ROOMY), precision="bf16-mixed", steps=STEPS)
+    assert peek.on_disk == peek.families
+    _assert_bitwise(got, want, "forward writes")
