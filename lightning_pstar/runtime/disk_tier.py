@@ -62,7 +62,8 @@ DISK_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 
 
 DISK_DEPTH = 3
-"""Families loaded at once: the pipelined step reads family k+1 while Adam runs on k and k-1 is written back."""
+"""Families loaded at once under the pipelined step (it reads family k+1 while Adam runs on k and k-1 is written
+back); the serial step (``optimizer_overlap="off"``) loads one."""
 DISK_THREADS = 4
 """I/O threads of the disk tier's store."""
 
@@ -73,12 +74,12 @@ def disk_block_bytes(capacity: int) -> int:
     return min(DEFAULT_BLOCK_BYTES, align_up(capacity * 4))
 
 
-def disk_buffer_bytes(capacity: int, *, mixed: bool) -> int:
-    """Host bytes the disk tier holds for the run: :data:`DISK_DEPTH` buffer sets of fp32 chunks of ``capacity``
-    elements (master and two states in mixed precision, two states in 32-true) and the store's staging arena."""
+def disk_buffer_bytes(capacity: int, *, mixed: bool, depth: int = DISK_DEPTH) -> int:
+    """Host bytes the disk tier holds for the run: ``depth`` buffer sets of fp32 chunks of ``capacity`` elements
+    (master and two states in mixed precision, two states in 32-true) and the store's staging arena."""
     kinds = 3 if mixed else 2
     staging = DISK_THREADS * disk_block_bytes(capacity) + ALIGNMENT
-    return DiskTier.buffer_bytes(capacity=capacity, kinds=kinds, depth=DISK_DEPTH) + staging
+    return DiskTier.buffer_bytes(capacity=capacity, kinds=kinds, depth=depth) + staging
 
 
 def disk_bytes_per_element(*, master: int, optimizer: int) -> int:
@@ -109,19 +110,23 @@ class DiskPlan:
     on_disk: int  # bytes of their fp32 masters and optimizer states
     buffers: int  # host bytes of the disk tier's buffer sets and staging arena
     capacity: int  # elements of the largest trainable chunk (the buffers' size)
+    depth: int = DISK_DEPTH  # buffer sets: families loaded at once
 
 
-def plan_disk_tier(layout: Layout, *, master: int, optimizer: int, rank: int, world_size: int, excess: int) -> DiskPlan:
+def plan_disk_tier(
+    layout: Layout, *, master: int, optimizer: int, rank: int, world_size: int, excess: int, depth: int = DISK_DEPTH
+) -> DiskPlan:
     """The families whose optimizer side (``master`` + ``optimizer`` bytes per element) goes to disk so that the
-    host need drops by ``excess`` bytes plus the disk tier's own host buffers (:func:`choose_disk_families`)."""
+    host need drops by ``excess`` bytes plus the disk tier's own host buffers (``depth`` sets:
+    :func:`disk_buffer_bytes`), chosen by :func:`choose_disk_families`."""
     per_element = disk_bytes_per_element(master=master, optimizer=optimizer)
     capacity = max((c.capacity for c in layout.chunks if c.trainable), default=0)
-    buffers = disk_buffer_bytes(capacity, mixed=master > 0)
+    buffers = disk_buffer_bytes(capacity, mixed=master > 0, depth=depth)
     ids = choose_disk_families(
         layout, rank=rank, world_size=world_size, excess=excess + buffers, per_element=per_element
     )
     on_disk = sum(layout.chunks[i].capacity * per_element for i in ids)
-    return DiskPlan(family_ids=ids, on_disk=on_disk, buffers=buffers, capacity=capacity)
+    return DiskPlan(family_ids=ids, on_disk=on_disk, buffers=buffers, capacity=capacity, depth=depth)
 
 
 def open_disk_tier(plan: DiskPlan, memory: MemoryConfig, *, mixed: bool, device: torch.device) -> DiskTier:
@@ -135,7 +140,7 @@ def open_disk_tier(plan: DiskPlan, memory: MemoryConfig, *, mixed: bool, device:
         device=device,
     )
     log.info("PatrickStar: %d families keep their optimizer side on disk in %s", len(plan.family_ids), store.path)
-    return DiskTier(store, plan.family_ids, capacity=plan.capacity, kinds=3 if mixed else 2, depth=DISK_DEPTH)
+    return DiskTier(store, plan.family_ids, capacity=plan.capacity, kinds=3 if mixed else 2, depth=plan.depth)
 
 
 class DiskTier:

@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-from lightning_pstar.config import NonFinite, OptimizerPlacement, PStarConfig
+from lightning_pstar.config import NonFinite, OptimizerOverlap, OptimizerPlacement, PStarConfig
 from lightning_pstar.planning.requirements import (
     BytesPerElement,
     MemoryBudgetError,
@@ -42,7 +42,7 @@ from lightning_pstar.runtime.budgets import (
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
 from lightning_pstar.runtime.disk import check_disk_path
-from lightning_pstar.runtime.disk_tier import DISK_KINDS, DiskPlan, DiskTier, open_disk_tier, plan_disk_tier
+from lightning_pstar.runtime.disk_tier import DISK_DEPTH, DISK_KINDS, DiskPlan, DiskTier, open_disk_tier, plan_disk_tier
 from lightning_pstar.runtime.family import (
     ChunkFamily,
     ParamRecord,
@@ -208,9 +208,10 @@ class ChunkManager:
     def _disk_split(self, excess: int) -> tuple[int, int]:
         """The disk tier's share of the host need (``check_setup_budgets``): :func:`plan_disk_tier`."""
         bpe = self.bytes_per_element()
+        serial = self.config.placement.optimizer_overlap is OptimizerOverlap.OFF  # one family loaded at a time
         self._disk_plan = plan_disk_tier(
             self.layout, master=bpe.master, optimizer=bpe.optimizer, rank=self.rank, world_size=self.world_size,
-            excess=excess,
+            excess=excess, depth=1 if serial else DISK_DEPTH,
         )  # fmt: skip
         return self._disk_plan.on_disk, self._disk_plan.buffers
 

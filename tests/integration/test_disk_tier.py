@@ -33,7 +33,7 @@ from tests.helpers.runs import FitResult, OptimSpec, fit, fit_steps
 BASE = {"optimizer_placement": "host", "chunk_size": 4096, "device_memory_limit": "64MiB", "optimizer_overlap": "off"}
 ROOMY = "64MiB"  # holds every family's optimizer side
 TIGHT = "640KiB"  # TinyLM (13 families of 4096 elements): some families go to disk, some stay on the host
-ALL_ON_DISK = "400KiB"  # bf16-mixed: every family's optimizer side on disk
+ALL_ON_DISK = "290KiB"  # bf16-mixed: every family's optimizer side on disk
 STEPS = 3
 
 
