@@ -111,6 +111,7 @@ class DiskPlan:
     buffers: int  # host bytes of the disk tier's buffer sets and staging arena
     capacity: int  # elements of the largest trainable chunk (the buffers' size)
     depth: int = DISK_DEPTH  # buffer sets: families loaded at once
+    file_bytes: int = 0  # bytes of their files (each chunk's file padded to the alignment): what the disk must hold
 
 
 def plan_disk_tier(
@@ -126,7 +127,8 @@ def plan_disk_tier(
         layout, rank=rank, world_size=world_size, excess=excess + buffers, per_element=per_element
     )
     on_disk = sum(layout.chunks[i].capacity * per_element for i in ids)
-    return DiskPlan(family_ids=ids, on_disk=on_disk, buffers=buffers, capacity=capacity, depth=depth)
+    files = sum(per_element // 4 * align_up(layout.chunks[i].capacity * 4) for i in ids)
+    return DiskPlan(family_ids=ids, on_disk=on_disk, buffers=buffers, capacity=capacity, depth=depth, file_bytes=files)
 
 
 def open_disk_tier(plan: DiskPlan, memory: MemoryConfig, *, mixed: bool, device: torch.device) -> DiskTier:

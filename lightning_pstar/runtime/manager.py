@@ -200,7 +200,7 @@ class ChunkManager:
             disk_split=disk_split,
         )
         if self._disk_plan is not None and self._disk_plan.family_ids:  # refused before anything is allocated
-            check_disk_path(config.memory.disk_path, self.setup_need.disk, config.memory.disk_limit_bytes)
+            check_disk_path(config.memory.disk_path, self._disk_plan.file_bytes, config.memory.disk_limit_bytes)
         elif config.memory.disk_path is not None:
             log.info("PatrickStar: disk_path is set, but the host budget holds the optimizer side: no disk tier.")
         return device_budget, host_budget, policy

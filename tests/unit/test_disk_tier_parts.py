@@ -50,6 +50,7 @@ def test_plan_disk_tier_counts_the_buffers_it_adds_to_the_host() -> None:
     assert plan.on_disk == len(plan.family_ids) * CAP * 12 >= 1 + plan.buffers
     assert plan.on_disk - CAP * 12 < 1 + plan.buffers, "no more families than the excess and the buffers need"
     assert plan.family_ids == list(range(20 - len(plan.family_ids), 20))
+    assert plan.file_bytes == len(plan.family_ids) * 3 * 4096  # 4,000 bytes per chunk, padded to 4,096
     assert plan_disk_tier(layout, master=0, optimizer=8, rank=0, world_size=1, excess=1).buffers == disk_buffer_bytes(
         CAP, mixed=False
     )
