@@ -29,15 +29,24 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from lightning_pstar.config import MemoryConfig
-from lightning_pstar.planning.layout import Layout, owner_of
-from lightning_pstar.runtime.aligned import ALIGNMENT, align_up, aligned_empty
+from lightning_pstar.planning.disk import (
+    DISK_DEPTH,
+    DISK_THREADS,
+    DiskPlan,
+    buffer_set_bytes,
+    choose_disk_families,
+    disk_block_bytes,
+    disk_buffer_bytes,
+    disk_bytes_per_element,
+    plan_disk_tier,
+)
+from lightning_pstar.runtime.aligned import aligned_empty
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind
-from lightning_pstar.runtime.disk import DEFAULT_BLOCK_BYTES, DiskStats, DiskStore
+from lightning_pstar.runtime.disk import DiskStats, DiskStore
 from lightning_pstar.runtime.family import ChunkFamily
 from lightning_pstar.runtime.state import Tier
 
@@ -59,76 +68,6 @@ log = logging.getLogger(__name__)
 
 DISK_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 """The chunk kinds a disk family keeps on disk (never PARAM, never GRAD)."""
-
-
-DISK_DEPTH = 3
-"""Families loaded at once under the pipelined step (it reads family k+1 while Adam runs on k and k-1 is written
-back); the serial step (``optimizer_overlap="off"``) loads one."""
-DISK_THREADS = 4
-"""I/O threads of the disk tier's store."""
-
-
-def disk_block_bytes(capacity: int) -> int:
-    """Bytes of one I/O call for fp32 chunks of ``capacity`` elements: the store's default, or one chunk rounded
-    up to the alignment when smaller (the staging arena then stays small for small chunks)."""
-    return min(DEFAULT_BLOCK_BYTES, align_up(capacity * 4))
-
-
-def disk_buffer_bytes(capacity: int, *, mixed: bool, depth: int = DISK_DEPTH) -> int:
-    """Host bytes the disk tier holds for the run: ``depth`` buffer sets of fp32 chunks of ``capacity`` elements
-    (master and two states in mixed precision, two states in 32-true) and the store's staging arena."""
-    kinds = 3 if mixed else 2
-    staging = DISK_THREADS * disk_block_bytes(capacity) + ALIGNMENT
-    return DiskTier.buffer_bytes(capacity=capacity, kinds=kinds, depth=depth) + staging
-
-
-def disk_bytes_per_element(*, master: int, optimizer: int) -> int:
-    """Bytes per element a disk family moves off the host: its fp32 master (``master``: 4 in mixed precision, 0 in
-    32-true) and its optimizer states (``optimizer``)."""
-    return master + optimizer
-
-
-def choose_disk_families(layout: Layout, *, rank: int, world_size: int, excess: int, per_element: int) -> list[int]:
-    """The trainable families this rank owns, last first, whose optimizer side (``per_element`` bytes per element)
-    covers ``excess`` bytes of host need; all of them when even that is not enough (the caller's check refuses
-    then). Every family moves the same bytes per element per step, so the choice is by order only."""
-    chosen, freed = [], 0
-    for chunk in reversed(layout.chunks):
-        if freed >= excess:
-            break
-        if chunk.trainable and owner_of(chunk.chunk_id, world_size) == rank:
-            chosen.append(chunk.chunk_id)
-            freed += chunk.capacity * per_element
-    return sorted(chosen)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiskPlan:
-    """Which families go to disk, and the bytes that takes off the host and adds to it."""
-
-    family_ids: list[int]
-    on_disk: int  # bytes of their fp32 masters and optimizer states
-    buffers: int  # host bytes of the disk tier's buffer sets and staging arena
-    capacity: int  # elements of the largest trainable chunk (the buffers' size)
-    depth: int = DISK_DEPTH  # buffer sets: families loaded at once
-    file_bytes: int = 0  # bytes of their files (each chunk's file padded to the alignment): what the disk must hold
-
-
-def plan_disk_tier(
-    layout: Layout, *, master: int, optimizer: int, rank: int, world_size: int, excess: int, depth: int = DISK_DEPTH
-) -> DiskPlan:
-    """The families whose optimizer side (``master`` + ``optimizer`` bytes per element) goes to disk so that the
-    host need drops by ``excess`` bytes plus the disk tier's own host buffers (``depth`` sets:
-    :func:`disk_buffer_bytes`), chosen by :func:`choose_disk_families`."""
-    per_element = disk_bytes_per_element(master=master, optimizer=optimizer)
-    capacity = max((c.capacity for c in layout.chunks if c.trainable), default=0)
-    buffers = disk_buffer_bytes(capacity, mixed=master > 0, depth=depth)
-    ids = choose_disk_families(
-        layout, rank=rank, world_size=world_size, excess=excess + buffers, per_element=per_element
-    )
-    on_disk = sum(layout.chunks[i].capacity * per_element for i in ids)
-    files = sum(per_element // 4 * align_up(layout.chunks[i].capacity * 4) for i in ids)
-    return DiskPlan(family_ids=ids, on_disk=on_disk, buffers=buffers, capacity=capacity, depth=depth, file_bytes=files)
 
 
 def open_disk_tier(plan: DiskPlan, memory: MemoryConfig, *, mixed: bool, device: torch.device) -> DiskTier:
@@ -170,16 +109,11 @@ class DiskTier:
         self._fresh: set[str] = set()  # keys never written: their bytes are zeros, a load zeroes instead of reading
         self.last_iteration: DiskStats | None = None  # what the last whole iteration after the warm-up moved
 
-    @staticmethod
-    def buffer_bytes(*, capacity: int, kinds: int, depth: int) -> int:
-        """Host bytes of the buffer sets (each aligned buffer takes one alignment more)."""
-        return depth * kinds * (capacity * 4 + ALIGNMENT)
-
     @property
     def host_bytes(self) -> int:
         """Host bytes the tier holds for the run's life: the buffer sets and the store's staging arena."""
         depth = len(self._free) + len(self._loans)
-        return self.buffer_bytes(capacity=self.capacity, kinds=self.kinds, depth=depth) + self.store.staging_bytes
+        return buffer_set_bytes(capacity=self.capacity, kinds=self.kinds) * depth + self.store.staging_bytes
 
     def holds(self, family: ChunkFamily) -> bool:
         """Whether ``family``'s optimizer side is on disk."""

@@ -149,3 +149,11 @@ def test_parked_parameter_refuses_reads_until_unparked() -> None:
         _ = param.sum()
     unpark(param)
     assert not is_parked(param) and float(param.sum()) == 3.0
+
+
+def test_the_planner_s_constants_are_the_engine_s() -> None:
+    from lightning_pstar.planning import disk as planning_disk
+    from lightning_pstar.runtime import aligned, disk
+
+    assert planning_disk.ALIGNMENT == aligned.ALIGNMENT
+    assert planning_disk.DISK_BLOCK_BYTES == disk.DEFAULT_BLOCK_BYTES
