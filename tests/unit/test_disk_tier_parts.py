@@ -157,3 +157,24 @@ def test_the_planner_s_constants_are_the_engine_s() -> None:
 
     assert planning_disk.ALIGNMENT == aligned.ALIGNMENT
     assert planning_disk.DISK_BLOCK_BYTES == disk.DEFAULT_BLOCK_BYTES
+
+
+def test_the_planner_plans_three_tiers_as_the_engine_does() -> None:
+    """A host budget below the optimizer side: refused without a disk budget, fits with one (the engine's choice
+    of families and buffers, planning/disk.py), and the largest model found grows with the disk tier."""
+    from lightning_pstar.planning.capacity import plan_capacity
+
+    common = {"device_memory": "64MiB", "host_memory": "160MiB", "precision": "bf16-mixed", "device_type": "cpu"}
+    common["placement"] = "static"  # the optimizer side starts on the host when model data exceeds the device
+    common["chunk_size"] = 1 << 20  # 4 MiB fp32 buffers: the disk tier holds a few per loaded family
+    overrides = {"n_layer": 8, "n_embd": 512}
+    without = plan_capacity("configs/model/gpt_small.yaml", overrides=overrides, **common)
+    with_disk = plan_capacity("configs/model/gpt_small.yaml", overrides=overrides, disk_memory="1GiB", **common)
+    assert not without.fits and with_disk.fits, (without.reasons, with_disk.reasons)
+    assert with_disk.disk_families > 0 and 0 < with_disk.disk_model_data_bytes <= 1 << 30
+    assert with_disk.host_model_data_bytes <= 160 << 20 and with_disk.disk_buffer_bytes > 0
+    assert "DISK (per rank)" in str(with_disk) and "DISK" not in str(without)
+    assert with_disk.largest is not None and without.largest is not None
+    assert with_disk.largest.num_params > without.largest.num_params
+    tiny_disk = plan_capacity("configs/model/gpt_small.yaml", overrides=overrides, disk_memory="1MiB", **common)
+    assert not tiny_disk.fits and any("disk budget" in r for r in tiny_disk.reasons)
