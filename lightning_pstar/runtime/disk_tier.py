@@ -4,10 +4,10 @@
 When ``disk_path`` is set and the host budget cannot hold the optimizer side of every family whose optimizer
 steps on the host, setup picks whole families (:func:`~lightning_pstar.planning.disk.plan_disk_tier`, shared with
 the capacity planner: the last trainable families this rank owns first, until the host need fits; every family
-moves the same bytes per element per step, so the order is the only choice) whose fp32 master (mixed precision), ``exp_avg`` and
-``exp_avg_sq`` chunks live in files of a :class:`~lightning_pstar.runtime.disk.DiskStore` (keys
-``f<family_id>.<kind>``). Their param chunk and fp32 GRAD chunk never go to disk: in 32-true the param chunk is
-the master and stays in memory.
+moves the same bytes per element per step, so the order is the only choice) whose fp32 master (mixed
+precision), ``exp_avg`` and ``exp_avg_sq`` chunks live in files of a
+:class:`~lightning_pstar.runtime.disk.DiskStore` (keys ``f<family_id>.<kind>``). Their param chunk and fp32
+GRAD chunk never go to disk: in 32-true the param chunk is the master and stays in memory.
 
 A chunk on :attr:`~lightning_pstar.runtime.state.Tier.DISK` has no storage of its own. A reader (the optimizer
 step, a state dict, the weight restored from the master after a gradient) borrows one of a few page-aligned host
