@@ -1,8 +1,11 @@
-"""The disk tier against this machine's own ``O_DIRECT`` ceiling (issue 28, part 1: the I/O layer).
+"""The disk tier against this machine's own ``O_DIRECT`` ceiling (issue 28; part 1: the I/O layer, part 2 with
+``--train``: the demo GPT trained with a host budget below its optimizer states, ``benchmarks/_disk_train.py``).
 
     python benchmarks/disk_tier.py                          # 2 GiB in the temp dir, table
     python benchmarks/disk_tier.py --dir /nvme/scratch --size 8GiB --json disk.json
-    python benchmarks/disk_tier.py --tiny                   # seconds: the script's own check
+    python benchmarks/disk_tier.py --train --dir /nvme/scratch --n-layer 8 --n-embd 1024 --json disk.json
+    python benchmarks/disk_tier.py --tiny                   # seconds: the script's own check of part 1
+    python benchmarks/disk_tier.py --quick                  # ... of both parts (a tiny GPT)
 
 1. The ceiling: raw ``os.pwritev`` / ``os.preadv`` on a fresh file opened with ``O_DIRECT``, from page-aligned
    buffers, on each thread count of ``--threads`` and block size of ``--blocks`` (the threads take blocks in turn).
@@ -215,11 +218,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="runs per figure; the best is kept")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     parser.add_argument("--tiny", action="store_true", help="16 MiB, 2 threads, 4 MiB blocks, once: a quick check")
+    train = parser.add_argument_group("part 2 (--train): the demo GPT with a host budget below its optimizer states")
+    train.add_argument("--train", action="store_true", help="also run part 2")
+    train.add_argument("--quick", action="store_true", help="--tiny --train: seconds, both parts")
+    train.add_argument("--n-layer", type=int, default=4)
+    train.add_argument("--n-embd", type=int, default=256)
+    train.add_argument("--n-head", type=int, default=4)
+    train.add_argument("--vocab", type=int, default=256)
+    train.add_argument("--block", type=int, default=128)
+    train.add_argument("--batch-size", type=int, default=4)
+    train.add_argument("--train-steps", type=int, default=3)
+    train.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default) or 32-true")
+    train.add_argument("--host-fraction", type=float, default=0.6, help="host budget / optimizer-state bytes")
+    train.add_argument("--families", type=int, default=32, help="chunk families the model is cut into")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.tiny = args.train = True
     if args.tiny:
         args.size, args.threads, args.blocks, args.repeat = "16MiB", "2", "4", 1
+        args.n_layer, args.n_embd, args.n_head, args.vocab, args.block, args.batch_size = 4, 64, 2, 64, 32, 2
+        args.families, args.host_fraction = 24, 0.7
     result = run(args)
     print_table(result)
+    if args.train:
+        from _disk_train import print_training, run_training  # benchmarks/ is the script's own directory
+
+        root = tempfile.mkdtemp(prefix="pstar-disk-train-", dir=args.dir)
+        try:
+            result["training"] = run_training(args, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print_training(result["training"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

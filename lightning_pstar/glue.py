@@ -189,6 +189,13 @@ def hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Seque
     complete. Called on every rank; after a failure on several ranks nothing is gathered (a rank may be stuck
     in, or gone from, a collective) and the model keeps its chunk views. With ``hand_back_weights=False`` the
     weights and optimizer states are not copied out (:func:`drop_weights`)."""
+    try:
+        return _hand_back(manager, hooks, optimizers, failed=failed)
+    finally:
+        manager.close_disk()  # the disk tier's files and run directory go with the run, whatever happened
+
+
+def _hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Sequence[Any], *, failed: bool) -> EndOfRun:
     if hooks is not None:
         hooks.remove()
     try:

@@ -95,6 +95,15 @@ class MemoryReport:
     step_h2d_bytes: int = 0  # copied back to the device by them (also counted in h2d_bytes)
     step_stage_seconds: dict[str, float] = field(default_factory=dict)  # worker seconds per stage, and the wait
     nonfinite_skipped_steps: int = 0  # steps not applied for a non-finite loss or gradient (nonfinite="skip")
+    # the disk tier ([Note: disk families] in runtime/disk_tier.py); zeros without one
+    disk_families: int = 0  # families whose fp32 master and optimizer states live on disk
+    disk_chunk_bytes: int = 0  # bytes of their chunks on disk (also counted in model_data_bytes)
+    disk_bytes_read: int = 0  # read from the disk since setup
+    disk_bytes_written: int = 0  # written to the disk since setup (setup's own writes included)
+    disk_read_bytes_per_iteration: int | None = None  # in the last whole iteration after the warm-up
+    disk_written_bytes_per_iteration: int | None = None
+    disk_read_gbps: float = 0.0  # achieved rate while reading (1e9 bytes per second), since setup
+    disk_write_gbps: float = 0.0  # ... while writing
 
     @property
     def padded_bytes_per_param(self) -> float:
@@ -109,6 +118,19 @@ class MemoryReport:
             return "unknown"
         low, high = format_bytes(self.optimal_bytes_lower_bound), format_bytes(self.optimal_bytes_upper_bound)
         return f"between {low} and {high}"
+
+    def _disk_rows(self, fmt: Any) -> list[tuple[str, str]]:
+        """The disk tier's rows (none without one)."""
+        if not self.disk_families:
+            return []
+        read, written = self.disk_read_bytes_per_iteration, self.disk_written_bytes_per_iteration
+        per_iteration = "unknown" if read is None or written is None else f"{fmt(read)} / {fmt(written)}"
+        return [
+            ("chunks on disk", f"{fmt(self.disk_chunk_bytes)} ({self.disk_families} families)"),
+            ("disk read / written", f"{fmt(self.disk_bytes_read)} / {fmt(self.disk_bytes_written)}"),
+            ("disk read / written / iteration", per_iteration),
+            ("disk GB/s read / write", f"{self.disk_read_gbps:.2f} / {self.disk_write_gbps:.2f}"),
+        ]
 
     def _chunks_line(self) -> str:
         """The chunk line: ``8 x 4,096 elements``, or ``10: 8 of 4,096 elements, 2 larger (up to 65,536)`` where
@@ -170,6 +192,7 @@ class MemoryReport:
                 f"{self.host_step_jobs} ({self.host_steps_in_backward}), overlap {self.optimizer_overlap}"
                 + (f" ({self.optimizer_schedule})" if self.optimizer_schedule else ""),
             ),
+            *self._disk_rows(fmt),
             ("rank / world size", f"{self.rank} / {self.world_size}"),
             ("all-gathered", fmt(self.gathered_bytes)),
             ("reduce-scattered", fmt(self.reduced_bytes)),

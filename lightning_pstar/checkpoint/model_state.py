@@ -15,6 +15,7 @@ import torch
 
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.pinned import host_arena
+from lightning_pstar.runtime.state import Tier
 
 if TYPE_CHECKING:
     from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
@@ -47,6 +48,13 @@ def master_view(record: ParamRecord) -> torch.Tensor:
     return chunk.slot_view(record.slot)
 
 
+def _check_weight(record: ParamRecord) -> None:
+    """Raise if the record's fp32 truth is its param slot and that slot holds a gradient instead of a weight."""
+    family = record.family
+    if ChunkKind.MASTER not in family.chunks:
+        master_view(record)
+
+
 def family_values(manager: ChunkManager, family: ChunkFamily, *, rank0_only: bool = False) -> torch.Tensor:
     """The fp32 truth of a whole family (1-D, capacity), from its owner on every rank, or only on rank 0
     with ``rank0_only`` (a collective when there are several ranks; on one rank a view of the chunk)."""
@@ -55,12 +63,18 @@ def family_values(manager: ChunkManager, family: ChunkFamily, *, rank0_only: boo
     chunk = family.chunks.get(ChunkKind.MASTER) if owns else None
     if chunk is None and owns:
         chunk = family.param_chunk
+    local: torch.Tensor | None = None
+    if chunk is not None and chunk.tier is Tier.DISK:  # a copy, read while the family is loaded
+        with manager.disk_loaded(family, write=False, kinds=(ChunkKind.MASTER,)):
+            local = chunk.data.clone()
+    elif chunk is not None:
+        local = chunk.data
     if not manager.sharding.distributed:
-        assert chunk is not None
-        return chunk.data if chunk.dtype == torch.float32 else chunk.data.float()
+        assert local is not None
+        return local if local.dtype == torch.float32 else local.float()
     out = torch.empty(family.capacity, dtype=torch.float32, device=manager.device)
-    if chunk is not None:
-        out.copy_(chunk.data)
+    if local is not None:
+        out.copy_(local)
     owner = family.family_id % manager.world_size
     if rank0_only:
         return manager.comm.to_rank0_(out, src=owner)
@@ -78,7 +92,7 @@ def _all_values(manager: ChunkManager, *, rank0_only: bool = False, to_cpu: bool
             continue
         if not manager.sharding.distributed:
             for record in family.records:
-                master_view(record)  # raises if a slot holds a gradient instead of a weight
+                _check_weight(record)
         flat = family_values(manager, family, rank0_only=rank0_only)
         if rank0_only and manager.rank != 0:
             continue
@@ -162,16 +176,18 @@ def load_full_state_dict(
             if manager.owns(record.family):
                 manager.fill_slot(record, value)
             manager.slot_holds_weight(record)  # the slot holds the loaded weight
+        manager.flush_disk()  # the last family's master written back to the disk tier
         for key, value in state_dict.items():
             if key in buffers and key not in param_names:
                 buffers[key].copy_(value)
 
 
 # ---- sharded checkpoints ------------------------------------------------------------------------------------
-def _local_values(family: ChunkFamily) -> torch.Tensor:
+def _local_values(manager: ChunkManager, family: ChunkFamily) -> torch.Tensor:
     """fp32 CPU copy of a family this rank owns, read locally (no communication)."""
     chunk = family.chunks.get(ChunkKind.MASTER, family.param_chunk)
-    return chunk.data.detach().to("cpu", torch.float32, copy=True)
+    with manager.disk_loaded(family, write=False, kinds=(ChunkKind.MASTER,)):
+        return chunk.data.detach().to("cpu", torch.float32, copy=True)
 
 
 def owned_tensors(manager: ChunkManager) -> dict[str, torch.Tensor]:
@@ -182,7 +198,7 @@ def owned_tensors(manager: ChunkManager) -> dict[str, torch.Tensor]:
         for family in manager.families:
             if not family.records or not manager.owns(family):
                 continue
-            flat = _local_values(family)
+            flat = _local_values(manager, family)
             for record in family.records:
                 sl = flat[record.slot.offset : record.slot.offset + record.slot.numel]
                 out[f"model/{record.names[0]}"] = sl.view(record.slot.shape).clone()
@@ -230,6 +246,7 @@ def load_owned_tensors(
             record = expected[key]
             manager.fill_slot(record, value)
             manager.slot_holds_weight(record)  # the slot holds the loaded weight
+        manager.flush_disk()  # the last family's master written back to the disk tier
         named = dict(manager.module.named_buffers())
         for key, value in buffers.items():
             if key in named:
@@ -286,5 +303,5 @@ def _family_for_restore(manager: ChunkManager, family: ChunkFamily) -> torch.Ten
     """The fp32 truth of ``family`` for the hand-back, checking on one rank that no slot holds a gradient."""
     if not manager.sharding.distributed:
         for record in family.records:
-            master_view(record)  # raises if a slot holds a gradient instead of a weight
+            _check_weight(record)
     return family_values(manager, family)

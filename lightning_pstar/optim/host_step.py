@@ -9,6 +9,8 @@ run), or returns None where the family does not step this way (the caller then r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -16,12 +18,14 @@ import torch
 import lightning_pstar.optim.kernels as kernels
 from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.disk_tier import DiskTier
 from lightning_pstar.runtime.family import ChunkFamily
 from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.parked import ParkedParameterError, park, unpark
 from lightning_pstar.runtime.pipeline import HostJob
 from lightning_pstar.runtime.state import Tier
 
-__all__ = ["grads_in_place", "host_job", "snapshot_groups"]
+__all__ = ["ParkedParameterError", "grads_in_place", "host_job", "park", "snapshot_groups", "unpark"]
 
 
 def snapshot_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -65,7 +69,9 @@ def host_job(
     residency = manager.residency
     chunk = family.param_chunk
     mixed = manager.mixed
-    if residency.optimizer_tier_of(family) is not Tier.HOST or chunk.tier is not Tier.DEVICE:
+    tier = residency.optimizer_tier_of(family)
+    disk = residency.disk if tier is Tier.DISK else None
+    if tier is not Tier.HOST and disk is None or chunk.tier is not Tier.DEVICE:
         return None
     if not grads_in_place(family, mixed=mixed):
         return None
@@ -73,9 +79,15 @@ def host_job(
     if not mixed and (grad_chunk is None or grad_chunk.tier is not Tier.HOST):
         return None
     master_chunk = family.chunks.get(ChunkKind.MASTER)
-    if mixed and (master_chunk is None or master_chunk.tier is not Tier.HOST):
+    if mixed and (master_chunk is None or master_chunk.tier is not tier):
         return None
+    if disk is not None and not disk.free_sets:
+        return None  # the caller finishes a disk job in flight first (see ChunkedOptimizer._step_families)
     steps = steps_of()
+    # a disk family's states are read into a lent buffer set now; the Adam stage waits for them, and issues their
+    # write-back, which the finish waits for (read k+1, Adam k and write k-1 overlap: [Note: disk families])
+    reads = disk.begin_load(family) if disk is not None else []
+    writes: list[Future[None]] = []
     host, current = residency.stage_host(family)
     device = chunk.device_buffer
     states = (family.chunks[ChunkKind.EXP_AVG].data, family.chunks[ChunkKind.EXP_AVG_SQ].data)
@@ -85,6 +97,8 @@ def host_job(
     numel = plan.end - plan.start
 
     def adam(scratch: torch.Tensor) -> None:
+        for read in reads:
+            read.result()
         if mixed:
             grad_range = scratch
             grad_range.copy_(host[plan.start : plan.end])  # exactly Tensor.float(), into the stage's scratch
@@ -100,8 +114,12 @@ def host_job(
         )
         if mixed:
             torch._foreach_copy_(plan.slots(host), masters)
+        if disk is not None:
+            writes.extend(disk.begin_write(family))
 
     def finish(copied_back: bool) -> None:
+        if disk is not None:
+            disk.end_load(family, writes)  # raises a failed write-back, naming its file
         if copied_back:
             copies.wait_back()
             residency.unstage(family)
@@ -113,7 +131,7 @@ def host_job(
             else:
                 residency.point_at_chunk(record)
 
-    return HostJob(
+    job = HostJob(
         family_id=family.family_id,
         d2h=copies.out,
         adam=adam,
@@ -121,6 +139,14 @@ def host_job(
         finish=finish,
         scratch_numel=numel if mixed else 0,
     )
+    if disk is not None:  # a stage raised: every transfer ends and the buffer set is freed, then the error goes on
+        job.failed.append(lambda: _end_failed_load(disk, family, [*reads, *writes]))
+    return job
+
+
+def _end_failed_load(disk: DiskTier, family: ChunkFamily, pending: list[Future[None]]) -> None:
+    with suppress(Exception):  # the stage's own error is the one to see
+        disk.end_load(family, pending)
 
 
 class _Copies:
@@ -167,76 +193,3 @@ class _Copies:
         """The calling thread: the compute stream waits for the copy back (no CPU synchronisation)."""
         if self._back is not None:
             torch.cuda.current_stream(self.device.device).wait_event(self._back)
-
-
-# ---- [Note: parked parameters] -----------------------------------------------------------------------------
-# Under optimizer_overlap="next_forward" a family's step may still run after optimizer.step() returned, until
-# the first module that needs the family waits for it. Its parameters' bytes are not weights meanwhile (the
-# param slot holds the gradient, or the copy back is on its way), and a read the engine does not see (user code in
-# a batch-end hook or in training_step, a parent module using a child's weight) cannot wait. So for that window
-# each parameter's class is swapped for a subclass of its own class whose ``__torch_function__`` refuses every
-# operation that reads values (metadata such as shape, dtype or device stays readable), with an error naming the
-# operation and what to do; the job's end restores the class before anything else touches the parameter. torch
-# swaps a parameter's class the same way when it materialises an ``UninitializedParameter``.
-_METADATA = frozenset(
-    {
-        torch.Tensor.shape.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.dtype.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.device.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.grad.__set__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.ndim.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.layout.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor._version.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.size,
-        torch.Tensor.dim,
-        torch.Tensor.numel,
-        torch.Tensor.stride,
-        torch.Tensor.element_size,
-        torch.Tensor.is_contiguous,
-        torch.Tensor.data_ptr,
-        torch.Tensor.__hash__,
-    }
-)
-_PARKED: dict[type, type] = {}
-
-
-class ParkedParameterError(RuntimeError):
-    """A parameter whose optimizer step is still in flight was read outside its module's forward."""
-
-
-def _parked_class(cls: type) -> type:
-    parked = _PARKED.get(cls)
-    if parked is None:
-
-        def __torch_function__(klass: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func in _METADATA:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **(kwargs or {}))
-            name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
-            raise ParkedParameterError(
-                f"PatrickStar: a parameter was read ({name}) while its optimizer step was still running after"
-                " optimizer.step() returned (optimizer_overlap='next_forward'), outside its own module's forward,"
-                " which is where the engine waits for it. HINT: read weights inside their module's forward or after"
-                " it has run in the next step, or set optimizer_overlap='auto' (the step then ends before"
-                " optimizer.step() returns)."
-            )
-
-        parked = type(f"Parked{cls.__name__}", (cls,), {"__torch_function__": classmethod(__torch_function__)})
-        _PARKED[cls] = parked
-    return parked
-
-
-def park(params: Sequence[torch.Tensor]) -> None:
-    """Make every value-reading operation on ``params`` raise until :func:`unpark` ([Note: parked parameters])."""
-    for param in params:
-        param.__class__ = _parked_class(type(param))
-
-
-def unpark(param: torch.Tensor) -> None:
-    """Give a parked parameter its own class back."""
-    cls = type(param)
-    if cls in _PARKED.values():
-        param.__class__ = cls.__bases__[0]

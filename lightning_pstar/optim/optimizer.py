@@ -35,6 +35,7 @@ from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.optim.overlap import StepOverlap
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.disk_tier import DiskTier
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.pipeline import HostJob
@@ -225,12 +226,22 @@ class ChunkedOptimizer(Optimizer):
         """Step ``families``: host-side ones through the pipeline where ``optimizer_overlap`` allows (the step
         pipeline's workers), the rest here, serially; the caller finishes the jobs."""
         pipelined = self.overlap.schedule.pipelined
+        disk = self._manager.disk
         for family in families:
+            if pipelined and disk is not None and disk.holds(family) and not disk.free_sets:
+                self._finish_oldest_disk_job(disk)  # its buffer set takes the next disk family
             job = self._host_job(family, coef) if pipelined else None
             if job is not None:
                 self._manager.pipeline.submit(job)
             else:
                 self._step_family(family, coef)
+
+    def _finish_oldest_disk_job(self, disk: DiskTier) -> None:
+        """Finish the disk family's job submitted first (its write-back included): all buffer sets are lent."""
+        pipeline = self._manager.pipeline
+        oldest = next((fid for fid in pipeline.family_ids if fid in disk.family_ids), None)
+        if oldest is not None:
+            pipeline.wait(oldest)
 
     def _host_job(self, family: ChunkFamily, coef: float) -> HostJob | None:
         """The pipelined host step of ``family`` (whole-family Adam), or None where the serial step runs."""
@@ -346,10 +357,22 @@ class ChunkedOptimizer(Optimizer):
 
     def _step_family(self, family: ChunkFamily, coef: float) -> None:
         manager = self._manager
-        if manager.residency.optimizer_tier_of(family) is Tier.HOST:
+        tier = manager.residency.optimizer_tier_of(family)
+        if tier is Tier.DISK:  # the host step on buffers read from disk, written back after ([Note: disk families])
+            manager.residency.move_param_chunk(family, Tier.HOST)
+            assert manager.disk is not None
+            with manager.disk.loaded(family, write=True):
+                self._step_family_here(family, coef)
+            return
+        if tier is Tier.HOST:
             manager.residency.move_param_chunk(family, Tier.HOST)  # the update runs where the optimizer states live
         else:
             manager.residency.fetch(family, protect={family.family_id})
+        self._step_family_here(family, coef)
+
+    def _step_family_here(self, family: ChunkFamily, coef: float) -> None:
+        """The step of ``family`` on the tier its param chunk and optimizer states are on now."""
+        manager = self._manager
         if self._book.is_adam and self._step_whole_family(family, coef):
             return
         grads = family_grads(family, self._book.group_of, mixed=manager.mixed, inv_scale=self.gradient_policy.inv_scale)

@@ -53,9 +53,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_pstar.config import OptimizerOverlap
-from lightning_pstar.optim.host_step import park, snapshot_groups, unpark
+from lightning_pstar.optim.host_step import snapshot_groups
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.hooks import holds_compiled_code
+from lightning_pstar.runtime.parked import park, unpark
 from lightning_pstar.runtime.state import Tier
 
 if TYPE_CHECKING:
@@ -182,7 +183,8 @@ class StepOverlap:
         measurable = manager.tracer.warmed_up and not manager.tracer.recording
         if measurable:
             residency = manager.residency
-            measurable = any(residency.optimizer_tier_of(f) is Tier.HOST for f in self._optimizer._families)
+            off_device = (Tier.HOST, Tier.DISK)
+            measurable = any(residency.optimizer_tier_of(f) in off_device for f in self._optimizer._families)
         self.schedule.step_done(measurable=measurable)
         manager.pipeline.schedule, manager.pipeline.trial_ms = self.schedule.chosen, self.schedule.trial_ms
 
@@ -212,6 +214,8 @@ class StepOverlap:
         optimizer = self._optimizer
         if family.family_id not in optimizer._own_ids or not family.trainable:
             return False
+        if self._manager.residency.optimizer_tier_of(family) is Tier.DISK:
+            return False  # a disk family steps at optimizer.step(), when its buffer sets can rotate
         job = optimizer._host_job(family, 1.0)
         if job is None:
             return False
@@ -222,7 +226,7 @@ class StepOverlap:
     # ---- the tail left in flight ("next_forward") ------------------------------------------------------------
     def leave_in_flight(self) -> None:
         """``optimizer_overlap="next_forward"``: return while jobs are in flight. Their parameters are parked until
-        the job is done ([Note: parked parameters] in ``host_step.py``: a read outside the engine fails loudly
+        the job is done ([Note: parked parameters] in ``runtime/parked.py``: a read outside the engine fails loudly
         instead of reading a half-updated weight); each job then points them back at their slots and forgets its
         family's gradients, as ``zero_grad`` does for the families already done."""
         manager = self._manager

@@ -133,7 +133,14 @@ class ChunkedStateDict:
     def family_states(
         self, family: ChunkFamily, *, rank0_only: bool = False, owned_only: bool = False
     ) -> dict[int, dict[str, torch.Tensor]]:
-        """:meth:`record_states` of one family (one collective at several ranks unless ``owned_only``)."""
+        """:meth:`record_states` of one family (one collective at several ranks unless ``owned_only``; a family on
+        the disk tier is read into host buffers for it, one family at a time)."""
+        with self._manager.disk_loaded(family, write=False, kinds=self._kinds):
+            return self._family_states(family, rank0_only=rank0_only, owned_only=owned_only)
+
+    def _family_states(
+        self, family: ChunkFamily, *, rank0_only: bool, owned_only: bool
+    ) -> dict[int, dict[str, torch.Tensor]]:
         manager = self._manager
         out: dict[int, dict[str, torch.Tensor]] = {}
         if not family.trainable or not family.records:
@@ -300,9 +307,11 @@ class ChunkedStateDict:
             self._book.host_state[id(p)] = {
                 k: torch.as_tensor(v, dtype=torch.float32).to(p.device).clone() for k, v in entry.items()
             }
-        with torch.no_grad():
+        updates.sort(key=lambda update: update[0].family.family_id)  # a disk family is read and written once
+        with torch.no_grad(), self._manager.disk_one_at_a_time(write=True, kinds=self._kinds) as need:
             for record, entry in updates:
                 if self._manager.owns(record.family):  # else its owner loads it
+                    need(record.family)
                     self._load_record(record, entry)
 
     def check_groups(self, groups: list[Any]) -> None:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from lightning_pstar.config import SUPPORTED_PRECISIONS, PStarConfig, parse_bytes
+from lightning_pstar.planning.disk import plan_disk_tier
 from lightning_pstar.planning.largest import LargestModel, Scale, find_largest
 from lightning_pstar.planning.models import ModelTarget, build_gpt, build_meta_model, describe_gpt
 from lightning_pstar.planning.requirements import (
@@ -125,6 +126,10 @@ class CapacityPlan:
     fits_model_data: bool
     fits_min_device: bool
     host_temporary_bytes: int = 0  # of host_model_data_bytes: the optimizer step's temporaries on the host
+    disk_budget: int | None = None  # per rank; None: no disk tier
+    disk_model_data_bytes: int = 0  # files of the families whose fp32 masters and optimizer states go to disk
+    disk_families: int = 0
+    disk_buffer_bytes: int = 0  # of host_model_data_bytes: the disk tier's host buffers
     largest: LargestModel | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -136,7 +141,15 @@ class CapacityPlan:
     def reasons(self) -> list[str]:
         """Why the model does not fit (empty when it does)."""
         out = []
-        if not self.fits_model_data:
+        disk_short = self.disk_budget is not None and self.disk_model_data_bytes > self.disk_budget
+        if disk_short:
+            out.append(f"disk need {_fmt(self.disk_model_data_bytes)} > disk budget {_fmt(self.disk_budget or 0)}")
+        if not self.fits_model_data and not disk_short and self.disk_budget is not None:
+            out.append(
+                f"host need {_fmt(self.host_model_data_bytes)} > host budget {_fmt(self.host_budget)} with"
+                f" {self.disk_families} families' optimizer side on disk"
+            )
+        elif not self.fits_model_data and not disk_short:
             need = self.model_data_bytes_per_rank + self.host_embedding_bytes
             budget, host = self.device_budget + self.host_budget, self.host_budget
             out.append(
@@ -187,6 +200,7 @@ class CapacityPlan:
                 + (f" (step temporaries {_fmt(self.host_temporary_bytes)})" if self.host_temporary_bytes else "")
                 + f"; budget {_fmt(self.host_budget)}",
             ),
+            *self._disk_rows(),
             ("fits", "yes" if self.fits else "NO: " + "; ".join(self.reasons)),
         ]
         if self.largest is not None:
@@ -195,6 +209,17 @@ class CapacityPlan:
         lines = [f"  {k:<{width}}  {v}" for k, v in rows]
         lines += [f"  note: {n}" for n in self.notes]
         return "PatrickStar capacity plan\n" + "\n".join(lines)
+
+    def _disk_rows(self) -> list[tuple[str, str]]:
+        if self.disk_budget is None:
+            return []
+        what = (
+            f"holds {_fmt(self.disk_model_data_bytes)} ({self.disk_families} families' fp32 masters and optimizer"
+            f" states; their host buffers {_fmt(self.disk_buffer_bytes)} are in HOST)"
+            if self.disk_families
+            else "holds nothing (the host budget holds the optimizer side)"
+        )
+        return [("DISK (per rank)", f"{what}; budget {_fmt(self.disk_budget)}")]
 
     @property
     def _frozen(self) -> int:
@@ -252,6 +277,7 @@ class _Settings:
     placement: str = "auto"
     static_fraction: float = 1.0
     warmup_fraction: float = 0.25
+    disk_budget: int | None = None  # per rank; None: no disk tier
 
 
 def _settings(
@@ -267,6 +293,7 @@ def _settings(
     frozen_master: bool = True,
     device_type: str | None = None,
     placement: str = "auto",
+    disk_memory: int | str | None = None,
 ) -> _Settings:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive int, got {world_size!r}. HINT: the number of ranks.")
@@ -299,6 +326,7 @@ def _settings(
         placement=config.placement.policy,
         static_fraction=config.placement.static_chunk_fraction,
         warmup_fraction=config.placement.warmup_chunk_fraction,
+        disk_budget=None if disk_memory is None else parse_bytes(disk_memory, name="disk_memory"),
     )
 
 
@@ -349,6 +377,14 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         layout, bpe, world_size=ws, host_embedding_bytes=embeddings, optimizer_on_host=on_host,
         chunk_room=room, pinned=settings.allocator_friendly,
     )  # fmt: skip
+    disk = None  # the engine's choice of disk families (the pipelined step's buffers): planning/disk.py
+    if settings.disk_budget is not None and on_host and tiers.host > settings.host_budget:
+        disk = plan_disk_tier(
+            layout, master=bpe.master, optimizer=bpe.optimizer, rank=0, world_size=ws,
+            excess=tiers.host - settings.host_budget,
+        )  # fmt: skip
+        tiers = tiers.with_disk(disk.on_disk, disk.buffers)
+    disk_fits = disk is None or settings.disk_budget is None or disk.file_bytes <= settings.disk_budget
     every = [(p, names[0]) for p, names in named] + [(p, name) for name, p in host.items()]
     num_params = layout.payload_elements + sum(p.numel() for p in host.values())
     trainable_cap = sum(c.capacity for c in layout.chunks if c.trainable)
@@ -384,7 +420,11 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         device_model_data_bytes=tiers.device,
         host_model_data_bytes=tiers.host,
         host_temporary_bytes=tiers.scratch,
-        fits_model_data=tiers.host <= settings.host_budget,
+        fits_model_data=tiers.host <= settings.host_budget and disk_fits,
+        disk_budget=settings.disk_budget,
+        disk_model_data_bytes=disk.file_bytes if disk is not None else 0,
+        disk_families=len(disk.family_ids) if disk is not None else 0,
+        disk_buffer_bytes=disk.buffers if disk is not None else 0,
         fits_min_device=need <= device,
         notes=_notes(every),
     )
@@ -407,6 +447,7 @@ def plan_capacity(
     scale: Scale | str = Scale.BOTH,
     device_type: str | None = None,
     placement: str = "auto",
+    disk_memory: int | str | None = None,
 ) -> CapacityPlan:
     """Plan the chunks of ``target`` and say whether it fits ``device_memory`` + ``host_memory`` per rank.
 
@@ -418,7 +459,9 @@ def plan_capacity(
     ('cuda' or 'cpu', default: this machine's accelerator) picks the chunk sizes the engine picks there (on CUDA,
     sizes that pinned host memory holds without rounding). ``placement`` ('auto' or 'static', with the
     strategy's default fractions) decides, as in the engine, where the optimizer side starts and how much of the
-    device budget chunks may use before the warm-up.
+    device budget chunks may use before the warm-up. ``disk_memory`` (per rank; None: no disk tier) plans the disk
+    tier as the engine does with ``disk_path`` set: where the host budget cannot hold the optimizer side, the last
+    families keep their fp32 masters and optimizer states on disk, and the largest-model search counts that in.
     """
     try:
         scale = Scale(scale)
@@ -439,6 +482,7 @@ def plan_capacity(
         frozen_master=frozen_master,
         device_type=device_type,
         placement=placement,
+        disk_memory=disk_memory,
     )
     module, description, gpt_config = build_meta_model(target, overrides=overrides)
     plan = _plan_module(module, description, settings)

@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
         help="chunk budget per rank in host RAM, e.g. 512GiB: the strategy's host_memory_limit (its default is"
         " host_memory_fraction=0.8 of the RAM divided by the ranks of a node)",
     )  # fmt: skip
+    parser.add_argument(
+        "--disk-memory", type=_byte_size, default=None,
+        help="disk budget per rank, e.g. 2TB: with it, the families whose optimizer side the host cannot hold keep it"
+        " on disk (the strategy's disk_path with disk_memory_limit); the largest-model search counts the three tiers",
+    )  # fmt: skip
     parser.add_argument("--world-size", type=int, default=1, help="number of ranks (ZeRO-DP over chunks)")
     parser.add_argument("--precision", choices=list(SUPPORTED_PRECISIONS), default="bf16-mixed")
     parser.add_argument("--chunk-size", type=_chunk_size, default="auto", help="'auto' or elements per chunk")
@@ -124,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scale=args.scale,
             device_type=args.device_type,
             placement=args.placement,
+            disk_memory=args.disk_memory,
         )
     except ValueError as err:
         parser.error(str(err))  # exits with status 2

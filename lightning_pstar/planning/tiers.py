@@ -29,7 +29,7 @@ and backward, before its optimizer step runs (``runtime/warmup.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from lightning_pstar.planning.layout import Layout, owner_of
@@ -123,6 +123,15 @@ class TierNeed:
     """Bytes the pinned allocator adds to the host chunks (CUDA only)."""
     embeddings: int = 0
     """Host-resident embeddings (``cpu_embedding``): fp32 weight, grad and optimizer states."""
+    disk: int = 0
+    """Of ``optimizer_side``: fp32 masters and optimizer states of the families on the disk tier (not on the host)."""
+    disk_buffers: int = 0
+    """Host buffers of the disk tier (its loaded families and its I/O staging), counted in ``host``."""
+
+    def with_disk(self, on_disk: int, buffers: int) -> TierNeed:
+        """This need with ``on_disk`` bytes of the optimizer side moved to the disk tier, whose host buffers take
+        ``buffers`` bytes ([Note: disk families] in ``runtime/disk_tier.py``)."""
+        return replace(self, host=self.host - on_disk + buffers, disk=on_disk, disk_buffers=buffers)
 
 
 @dataclass
@@ -273,9 +282,11 @@ def check_budgets(
 
 def host_breakdown(tiers: TierNeed) -> str:
     """The parts of the host need, for messages: "params 1 KiB, optimizer side 3 KiB, ..."."""
+    side = tiers.optimizer_side - tiers.disk if tiers.optimizer_on_host else 0
     parts = [
         ("param chunks", tiers.param_on_host),
-        ("fp32 masters/grads and optimizer states", tiers.optimizer_side if tiers.optimizer_on_host else 0),
+        ("fp32 masters/grads and optimizer states", side),
+        ("disk-tier buffers", tiers.disk_buffers),
         ("fp32 frozen weights", tiers.frozen_master),
         ("host embeddings", tiers.embeddings),
         ("the step's temporaries", tiers.scratch),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -92,10 +92,13 @@ def check_setup_budgets(
     static_fraction: float | None,
     chunk_room: int | None,
     pinned: bool,
+    disk_split: Callable[[int], tuple[int, int]] | None = None,
 ) -> TierNeed:
     """Raise a ``MemoryBudgetError`` with the numbers per tier unless the model fits both budgets
     (``module_need``: the bytes one module needs resident, and its name; ``chunk_room``: the device room the
-    placement gives chunks before the warm-up; ``pinned``: host chunks are pinned). Returns the need, whose
+    placement gives chunks before the warm-up; ``pinned``: host chunks are pinned; ``disk_split``: given the host
+    need's excess over the budget, the bytes the disk tier takes off the host and its host buffers' bytes, called
+    only when the host budget is short: [Note: disk families] in ``runtime/disk_tier.py``). Returns the need, whose
     ``scratch`` the runtime holds back from the host budget ([Note: the host need] in ``planning/tiers.py``)."""
     tiers = tier_need(
         layout,
@@ -106,6 +109,8 @@ def check_setup_budgets(
         chunk_room=chunk_room,
         pinned=pinned,
     )
+    if disk_split is not None and tiers.host > host_budget:
+        tiers = tiers.with_disk(*disk_split(tiers.host - host_budget))
     need, where = module_need
     check_budgets(
         need=need,
@@ -166,6 +171,7 @@ def check_host_after_warmup(
         chunk_room=max(room, 0),
         pinned=pinned,
     )
+    tiers = tiers.with_disk(setup.disk, setup.disk_buffers)
     if tiers.host <= host_budget:
         return
     raise MemoryBudgetError(

@@ -168,11 +168,12 @@ class TransferStats:
     step_d2h_bytes: int = 0  # copied to the host by host-side optimizer steps that left the chunk on the device
     step_h2d_bytes: int = 0  # ... and copied back by them (runtime/pipeline.py)
     param_chunks_on_host: int = 0  # param chunks whose bytes are on the host now (what a prefetch could bring)
+    # DISK gets its entry when a chunk first goes there ([Note: disk families] in disk_tier.py)
     per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0})
     peak_device_bytes: int = 0
 
     def allocated(self, tier: Tier, nbytes: int) -> None:
-        self.per_tier_bytes[tier] += nbytes
+        self.per_tier_bytes[tier] = self.per_tier_bytes.get(tier, 0) + nbytes
         if tier is Tier.DEVICE:
             self.peak_device_bytes = max(self.peak_device_bytes, self.per_tier_bytes[tier])
 
@@ -230,6 +231,7 @@ class Chunk:
         # [Note: cached views]: per tier, id(slot) -> (slot, the buffer it was taken from, the view)
         self._device_views: dict[int, tuple[Slot, torch.Tensor, torch.Tensor]] = {}
         self._host_views: dict[int, tuple[Slot, torch.Tensor, torch.Tensor]] = {}
+        self._lent: torch.Tensor | None = None  # on DISK: the host buffer holding the bytes while a reader needs them
 
     # ---- properties -------------------------------------------------------------------------------------
     @property
@@ -284,6 +286,13 @@ class Chunk:
         if self._tier is Tier.HOST:
             assert self._host_buffer is not None
             return self._host_buffer
+        if self._tier is Tier.DISK:
+            if self._lent is None:
+                raise RuntimeError(
+                    f"PatrickStar internal error: chunk {self.chunk_id} ({self.kind.value}) is on the disk tier and was"
+                    " read without being loaded. HINT: please report this with the model and the options."
+                )
+            return self._lent
         raise RuntimeError(f"chunk {self.chunk_id} ({self.kind.value}) is released and has no data")
 
     @property
@@ -498,10 +507,49 @@ class Chunk:
         """Free the storage on every tier (the chunk's slots are no longer needed)."""
         if self._tier is None:
             return
+        if self._tier is Tier.DISK:  # the file is the disk tier's to remove
+            self._lent = None
+            self._stats.freed(Tier.DISK, self.nbytes)
+            self._set_tier(None)
+            return
         self.drop_host_copy()
         host_arena().free(self.data)
         self._stats.freed(self._tier, self.nbytes)
         self._set_tier(None)
+
+    # ---- the disk tier ([Note: disk families] in runtime/disk_tier.py; the bytes move through its DiskStore) ----
+    @property
+    def lent(self) -> bool:
+        """On DISK with a host buffer lent: :attr:`data` reads the bytes loaded into it."""
+        return self._lent is not None
+
+    def place_on_disk(self) -> None:
+        """A released chunk whose bytes start on DISK (its file reads as zeros, or the caller writes it)."""
+        assert self._tier is None, f"chunk {self.chunk_id} is already allocated on {self._tier}"
+        self._stats.allocated(Tier.DISK, self.nbytes)
+        self._set_tier(Tier.DISK)
+
+    def leave_host_for_disk(self) -> None:
+        """The HOST bytes were written to the chunk's file: free them, the chunk is on DISK now."""
+        assert self._tier is Tier.HOST and not self._host_copy, f"chunk {self.chunk_id} is not on the host alone"
+        assert self._host_buffer is not None
+        host_arena().free(self._host_buffer)
+        self._stats.freed(Tier.HOST, self.nbytes)
+        self._stats.allocated(Tier.DISK, self.nbytes)
+        self._set_tier(Tier.DISK)
+
+    def lend(self, buffer: torch.Tensor) -> None:
+        """Lend a DISK chunk the host ``buffer`` (``capacity`` elements of its dtype) its bytes were read into."""
+        assert self._tier is Tier.DISK and self._lent is None, f"chunk {self.chunk_id}: lend on {self._tier}"
+        assert buffer.numel() == self.capacity and buffer.dtype == self.dtype
+        self._lent = buffer
+
+    def take_back(self) -> torch.Tensor:
+        """End the loan of :meth:`lend`; returns the buffer."""
+        buffer = self._lent
+        assert buffer is not None, f"chunk {self.chunk_id} has no host buffer lent"
+        self._lent = None
+        return buffer
 
     def _set_tier(self, tier: Tier | None) -> None:
         if self.kind is ChunkKind.PARAM:  # counted for the residency's prefetch (nothing to bring without one)

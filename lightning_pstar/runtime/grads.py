@@ -37,7 +37,7 @@ exactly that bump and reads its fp32 master.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 
 import torch
 from torch.autograd import Variable
@@ -232,7 +232,14 @@ class GradStore:
     def _weight_back(self, record: ParamRecord) -> None:
         """The param slot gets its weight back from the fp32 master; the parameter points at the slot again."""
         chunks = record.family.chunks
-        chunks[_PARAM].slot_view(record.slot).copy_(chunks[_MASTER].slot_view(record.slot))
+        master = chunks[_MASTER]
+        if master.tier is Tier.DISK and not master.lent:  # read it for the copy ([Note: disk families])
+            disk = self.residency.disk
+            assert disk is not None
+            with disk.loaded(record.family, write=False, kinds=(_MASTER,)):
+                chunks[_PARAM].slot_view(record.slot).copy_(master.slot_view(record.slot))
+        else:
+            chunks[_PARAM].slot_view(record.slot).copy_(master.slot_view(record.slot))
         self.weight_to_param_slot(record)
 
     def _write_family(self, fid: int) -> None:
@@ -305,10 +312,20 @@ class GradStore:
         the coming ones. A gradient in the param slot moves into the fp32 GRAD chunk and the slot gets its
         weight back from the master, so the next forward computes with the weight."""
         self.settle()
+        disk = self.residency.disk
+        if disk is not None:  # family by family: each disk family's master is read once ([Note: disk families])
+            records = sorted(records, key=lambda r: r.family.family_id)
+        masters = disk.one_at_a_time(write=False, kinds=(_MASTER,)) if disk is not None else nullcontext(None)
+        with masters as need:
+            self._carry_over(records, need)
+
+    def _carry_over(self, records: Sequence[ParamRecord], need: Callable[[ChunkFamily], None] | None) -> None:
         for record in records:
             if record.slot.state is not _HOLD_AFTER_BWD:
                 continue
             if record.grad_in_param_slot:
+                if need is not None:
+                    need(record.family)
                 family = record.family
                 slot = record.slot
                 with torch.no_grad():
@@ -326,9 +343,15 @@ class GradStore:
         """Forget the gradients of ``records`` (``zero_grad``); weights overwritten by gradients are restored
         from the masters."""
         self.settle()
-        with torch.no_grad():
+        disk = self.residency.disk
+        if disk is not None:  # family by family: each disk family's master is read once ([Note: disk families])
+            records = sorted(records, key=lambda r: r.family.family_id)
+        masters = disk.one_at_a_time(write=False, kinds=(_MASTER,)) if disk is not None else nullcontext(None)
+        with torch.no_grad(), masters as need:
             for record in records:
                 if record.grad_in_param_slot:
+                    if need is not None:
+                        need(record.family)
                     self._weight_back(record)
                 record.grad_in_grad_chunk = False
                 if record.slot.state is _HOLD_AFTER_BWD:

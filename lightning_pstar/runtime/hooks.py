@@ -311,8 +311,9 @@ class ModelHooks:
         slot = record.slot
         if record.grad_in_param_slot:
             # the gradient is final already (a graph run backward twice): the weight is the fp32 master's
-            master = family.chunks[ChunkKind.MASTER].slot_view(slot).reshape(-1)
-            flat = master.to(device=manager.device, dtype=packed.dtype)
+            with manager.disk_loaded(family, write=False, kinds=(ChunkKind.MASTER,)):  # [Note: disk families]
+                master = family.chunks[ChunkKind.MASTER].slot_view(slot).reshape(-1)
+                flat = master.to(device=manager.device, dtype=packed.dtype, copy=True)
             return flat.as_strided(packed.size, packed.stride, packed.offset - slot.offset)
         node = torch._C._current_autograd_node()
         if node is not self._unpack_node:  # a new node: the views the last one read are dropped

@@ -15,13 +15,13 @@ parameter :meth:`grad_ready`, :meth:`finish_backward`; then the optimizer's :met
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
 
-from lightning_pstar.config import NonFinite, OptimizerPlacement, PStarConfig
+from lightning_pstar.config import NonFinite, OptimizerOverlap, OptimizerPlacement, PStarConfig
 from lightning_pstar.planning.requirements import (
     BytesPerElement,
     MemoryBudgetError,
@@ -41,6 +41,8 @@ from lightning_pstar.runtime.budgets import (
 )
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
+from lightning_pstar.runtime.disk import check_disk_path
+from lightning_pstar.runtime.disk_tier import DISK_DEPTH, DISK_KINDS, DiskPlan, DiskTier, open_disk_tier, plan_disk_tier
 from lightning_pstar.runtime.family import (
     ChunkFamily,
     ParamRecord,
@@ -122,7 +124,10 @@ class ChunkManager:
             min_device_bytes=self._min_device_bytes,
             owns=lambda family: self.sharding.owns(family),
         )
-        self.residency.host_scratch_bytes = self.setup_need.scratch  # [Note: the host need] in planning/tiers.py
+        # [Note: the host need] in planning/tiers.py; the disk tier's buffers: [Note: disk families]
+        self.residency.host_scratch_bytes = self.setup_need.scratch + self.setup_need.disk_buffers
+        if self._disk_plan is not None and self._disk_plan.family_ids:  # [Note: disk families] in disk_tier.py
+            self.residency.disk = open_disk_tier(self._disk_plan, config.memory, mixed=self.mixed, device=device)
         self.residency.optimizer_tier = self._optimizer_start_tier(policy, device_budget)
         self.residency.hybrid_optimizer = config.placement.optimizer is OptimizerPlacement.AUTO
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
@@ -178,14 +183,8 @@ class ChunkManager:
             )
         start = self._optimizer_start_tier(policy, device_budget)
         warn_unbound_host_limit(config, device)
-        if config.memory.disk_path is not None:  # the I/O layer (runtime/disk.py) is not wired to the chunks yet
-            warnings.warn(
-                f"memory.disk_path={config.memory.disk_path!r} is set, but this release does not place chunks on"
-                " disk yet: all model data stays in device and host memory, within their budgets. HINT: leave"
-                " disk_path unset until the disk tier lands (see CHANGELOG).",
-                UserWarning,
-                stacklevel=2,
-            )
+        self._disk_plan: DiskPlan | None = None
+        disk_split = self._disk_split if config.memory.disk_path is not None and start is Tier.HOST else None
         self.setup_need = check_setup_budgets(
             self.layout,
             self.bytes_per_element(),
@@ -198,8 +197,55 @@ class ChunkManager:
             static_fraction=config.placement.static_chunk_fraction if policy.name == "static" else None,
             chunk_room=policy.chunk_room(device_budget, self._min_device_bytes),
             pinned=device.type == "cuda",
+            disk_split=disk_split,
         )
+        if self._disk_plan is not None and self._disk_plan.family_ids:  # refused before anything is allocated
+            check_disk_path(config.memory.disk_path, self._disk_plan.file_bytes, config.memory.disk_limit_bytes)
+        elif config.memory.disk_path is not None:
+            log.info("PatrickStar: disk_path is set, but the host budget holds the optimizer side: no disk tier.")
         return device_budget, host_budget, policy
+
+    def _disk_split(self, excess: int) -> tuple[int, int]:
+        """The disk tier's share of the host need (``check_setup_budgets``): :func:`plan_disk_tier`."""
+        bpe = self.bytes_per_element()
+        serial = self.config.placement.optimizer_overlap is OptimizerOverlap.OFF  # one family loaded at a time
+        self._disk_plan = plan_disk_tier(
+            self.layout, master=bpe.master, optimizer=bpe.optimizer, rank=self.rank, world_size=self.world_size,
+            excess=excess, depth=1 if serial else DISK_DEPTH,
+        )  # fmt: skip
+        return self._disk_plan.on_disk, self._disk_plan.buffers
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, when some families are on it ([Note: disk families] in ``runtime/disk_tier.py``)."""
+        return self.residency.disk
+
+    def disk_loaded(
+        self, family: ChunkFamily, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
+    ) -> AbstractContextManager[object]:
+        """Inside the block ``family``'s chunks on disk (if any) are read into host buffers; written back at its end
+        when ``write``."""
+        disk = self.residency.disk
+        return (
+            disk.loaded(family, write=write, kinds=kinds) if disk is not None and disk.holds(family) else nullcontext()
+        )
+
+    def disk_one_at_a_time(
+        self, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
+    ) -> AbstractContextManager[Callable[[ChunkFamily], None]]:
+        """:meth:`DiskTier.one_at_a_time`, or a ``need`` that does nothing without a disk tier."""
+        disk = self.residency.disk
+        return disk.one_at_a_time(write=write, kinds=kinds) if disk is not None else nullcontext(_no_disk_need)
+
+    def flush_disk(self) -> None:
+        """Write back the family a load (or setup) left loaded on the disk tier."""
+        if self.residency.disk is not None:
+            self.residency.disk.flush_setup()
+
+    def close_disk(self) -> None:
+        """Remove the disk tier's files and run directory (the run ends, or its setup failed)."""
+        if self.residency.disk is not None:
+            self.residency.disk.close()
 
     def _optimizer_start_tier(self, policy: PlacementPolicy, device_budget: int | None) -> Tier:
         """Where optimizer-side chunks start: the policy's choice under ``placement.optimizer="auto"``, else the
@@ -248,6 +294,7 @@ class ChunkManager:
         detail += repr([(c.capacity, c.trainable, c.members, c.offsets) for c in self.layout.chunks])  # ranks agree
         summary = (len(self._named), self.layout.payload_elements, self.layout.chunk_size, len(self.families))
         self._materialiser().run(self.host_params, summary, detail)
+        self.flush_disk()  # the last family's master written ([Note: disk families] in runtime/disk_tier.py)
         self._materialised = True
         log.log(
             logging.INFO if self.rank == 0 else logging.DEBUG,  # the ranks agree (checked above): one says it
@@ -365,7 +412,13 @@ class ChunkManager:
         before = self._forward_versions.pop(index, None) if self.mixed else None
         if before is not None and before != [r.param._version for r in records]:
             written = [r for r, v in zip(records, before, strict=True) if r.param._version != v]
-            copy_forward_writes_to_masters(written, distributed=self.sharding.distributed)
+            if self.residency.disk is None or self.sharding.distributed:
+                copy_forward_writes_to_masters(written, distributed=self.sharding.distributed)
+            else:  # family by family: a master on disk is read and written back once ([Note: disk families])
+                with self.disk_one_at_a_time(write=True, kinds=(ChunkKind.MASTER,)) as need:
+                    for record in sorted(written, key=lambda r: r.family.family_id):
+                        need(record.family)
+                        copy_forward_writes_to_masters([record], distributed=False)
         release_slots(records, _HOLD_AFTER_FWD if backward_follows else _HOLD)  # what release() does
         if self.sharding.distributed:  # one rank releases nothing
             self.sharding.release_passed()
@@ -566,6 +619,7 @@ class ChunkManager:
         ``keep_tail``: steps an ``optimizer.step()`` left in flight (``optimizer_overlap="next_forward"``) go on;
         the modules that need their families wait for them (:meth:`access`)."""
         self.grads.on_final = None
+        self.flush_disk()
         if keep_tail and self.tailing:
             return
         try:
@@ -610,3 +664,7 @@ class ChunkManager:
             overlap=self.config.placement.optimizer_overlap.value,
             nonfinite_skipped_steps=self.nonfinite_skipped_steps,
         )
+
+
+def _no_disk_need(family: ChunkFamily) -> None:
+    """``need`` without a disk tier: nothing to load."""

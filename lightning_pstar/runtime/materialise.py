@@ -131,7 +131,10 @@ class Materialiser:
         with torch.no_grad():
             family.param_chunk.slot_view(record.slot).copy_(value)
             if ChunkKind.MASTER in family.chunks:
-                family.chunks[ChunkKind.MASTER].slot_view(record.slot).copy_(value)
+                master = family.chunks[ChunkKind.MASTER]
+                if master.tier is Tier.DISK and self.residency.disk is not None:
+                    self.residency.disk.hold_for_setup(family)  # read and written once per family
+                master.slot_view(record.slot).copy_(value)
 
     def _allocate_family(self, family: ChunkFamily) -> None:
         residency = self.residency

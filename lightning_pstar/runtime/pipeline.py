@@ -90,6 +90,7 @@ class HostJob:
     finish: Callable[[bool], None]  # given whether the H2D stage ran (see ``StepPipeline.settle_off_device``)
     scratch_numel: int  # elements of fp32 scratch the Adam stage needs
     before: list[Callable[[], None]] = field(default_factory=list)  # bookkeeping before ``finish`` (calling thread)
+    failed: list[Callable[[], None]] = field(default_factory=list)  # bookkeeping when a stage raised (calling thread)
     after: list[Callable[[], None]] = field(default_factory=list)  # ... and after it
     skip_back: bool = False  # the H2D stage does not run: the family's param chunk goes to the host instead
     _done: Future[None] | None = field(default=None, repr=False)
@@ -232,6 +233,10 @@ class StepPipeline:
         start = perf_counter()
         try:
             job._done.result()
+        except BaseException:
+            for undo in job.failed:
+                undo()
+            raise
         finally:
             self.times.wait += perf_counter() - start
             del self._jobs[job.family_id]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -116,4 +117,24 @@ def build_report(
         step_stage_seconds=pipeline.times.seconds() if pipeline is not None else {},
         optimizer_schedule=pipeline.schedule if pipeline is not None else None,
         schedule_trial_ms=dict(pipeline.trial_ms) if pipeline is not None else {},
+        **_disk_fields(residency),
     )
+
+
+def _disk_fields(residency: Residency) -> dict[str, Any]:
+    """The report's disk-tier fields (none without a disk tier: the defaults)."""
+    disk = residency.disk
+    if disk is None:
+        return {}
+    total = disk.store.stats()
+    last = disk.last_iteration
+    return {
+        "disk_families": len(disk.family_ids),
+        "disk_chunk_bytes": residency.stats.per_tier_bytes.get(Tier.DISK, 0),
+        "disk_bytes_read": total.bytes_read,
+        "disk_bytes_written": total.bytes_written,
+        "disk_read_bytes_per_iteration": last.bytes_read if last is not None else None,
+        "disk_written_bytes_per_iteration": last.bytes_written if last is not None else None,
+        "disk_read_gbps": total.read_gbps,
+        "disk_write_gbps": total.write_gbps,
+    }

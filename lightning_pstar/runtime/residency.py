@@ -16,8 +16,10 @@ import torch
 from lightning_pstar.planning.requirements import MemoryBudgetError, step_temporary_bytes
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
+from lightning_pstar.runtime.disk_tier import DISK_KINDS, DiskTier
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.inflight import EvictionsInFlight
+from lightning_pstar.runtime.parked import park, unpark
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.placement import PlacementPolicy
 from lightning_pstar.runtime.prefetch import Prefetcher
@@ -102,6 +104,7 @@ class Residency:
         self.bounds: Bounds | None = None
         # the optimizer step's temporaries on the host, held back from the host budget: [Note: the host need]
         self.host_scratch_bytes = 0
+        self.disk: DiskTier | None = None  # the disk families and their files: [Note: disk families] in disk_tier.py
 
     # ---- chunks ------------------------------------------------------------------------------------------
     def new_chunk(self, family: ChunkFamily, kind: ChunkKind, dtype: torch.dtype) -> Chunk:
@@ -118,7 +121,12 @@ class Residency:
         return chunk
 
     def allocate_optimizer_side(self, chunk: Chunk) -> None:
-        """Give an fp32 master/gradient/state chunk storage on the optimizer's tier."""
+        """Give an fp32 master/gradient/state chunk storage on the optimizer's tier (a disk family's master and
+        states: their file, [Note: disk families] in ``disk_tier.py``)."""
+        disk = self.disk
+        if disk is not None and chunk.kind in DISK_KINDS and chunk.chunk_id in disk.family_ids:
+            disk.place(chunk)
+            return
         if self.optimizer_tier is Tier.DEVICE:
             self.ensure_device_room(chunk.nbytes, protect=set())
         else:
@@ -156,6 +164,12 @@ class Residency:
         chunk = chunks[_PARAM]
         if record.grad_in_param_slot:
             chunk = chunks.get(_MASTER, chunk)
+        if self.disk is not None:  # a master on disk: the parameter stays at its slot, parked ([Note: disk families])
+            unpark(record.param)
+            if chunk.tier is Tier.DISK:
+                record.param.data = chunks[_PARAM].buffer_view(record.slot)
+                park([record.param])
+                return
         if chunk.pending and chunk.tier is _DEVICE:  # never into bytes still being copied: once the copy is waited on
             chunk.on_landed(lambda: self._point_family(record.family))  # ([Note: fetch and prefetch], lookahead.py)
             return
@@ -292,7 +306,11 @@ class Residency:
             return
         if self._iteration_mark is None:
             self._iteration_mark = self.stats.moved_bytes  # the first iteration after the warm-up starts
+            if self.disk is not None:
+                self.disk.store.reset_iteration()
         elif self._stepped_since_mark:
+            if self.disk is not None:
+                self.disk.end_iteration()
             self.last_iteration_moved_bytes = self.stats.moved_bytes - self._iteration_mark
             self._iteration_mark = self.stats.moved_bytes
             self.iterations_measured += 1
@@ -453,8 +471,8 @@ class Residency:
                 continue  # a frozen family's fp32 copy is only read by state dicts
             side = [c for k, c in family.chunks.items() if k is not ChunkKind.PARAM and c.tier is not None]
             nbytes = sum(c.nbytes for c in side)
-            if not side:
-                continue
+            if not side or any(c.tier is Tier.DISK for c in side):
+                continue  # a disk family stays where the plan put it ([Note: disk families])
             # [Note: where the warm-up steps] in placement.py: families that started on the device and do not fit
             # the margin go to the host, the others stay; families on the host that fit come to the device
             tier = Tier.DEVICE if nbytes <= margin else Tier.HOST
@@ -475,17 +493,24 @@ class Residency:
 
     @staticmethod
     def optimizer_tier_of(family: ChunkFamily) -> Tier:
-        """Where ``family``'s optimizer step runs: the tier of its optimizer-side chunks."""
+        """Where ``family``'s optimizer step runs: the tier of its optimizer-side chunks (DISK when any is on disk:
+        the step runs on the host, on buffers loaded from disk)."""
+        tier = None
         for kind, chunk in family.chunks.items():
             if kind is not ChunkKind.PARAM and chunk.tier is not None:
-                return chunk.tier
-        return Tier.DEVICE
+                if chunk.tier is Tier.DISK:
+                    return Tier.DISK
+                tier = tier or chunk.tier
+        return tier or Tier.DEVICE
 
     def optimizer_placement_summary(self) -> str:
         tiers = [self.optimizer_tier_of(f) for f in self.families if f.trainable and len(f.chunks) > 1]
         if not tiers:
             return self.optimizer_tier.value
         on_device = sum(t is Tier.DEVICE for t in tiers)
+        on_disk = sum(t is Tier.DISK for t in tiers)
+        if on_disk:
+            return f"host for {len(tiers) - on_disk} of {len(tiers)} families, disk for the rest"
         if on_device in (0, len(tiers)):
             return tiers[0].value
         return f"device for {on_device} of {len(tiers)} families, host for the rest"

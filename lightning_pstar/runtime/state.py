@@ -30,6 +30,9 @@ class Tier(str, Enum):
     """The accelerator, or a simulated device in host RAM with its own byte budget."""
     HOST = "host"
     """CPU RAM (pinned when the device is CUDA)."""
+    DISK = "disk"
+    """A file of the run's directory under ``disk_path`` (optimizer-side chunks only: [Note: disk families] in
+    ``runtime/disk_tier.py``); lent a host buffer while a reader holds it."""
 
 
 class TensorState(str, Enum):
