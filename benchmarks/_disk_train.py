@@ -12,6 +12,7 @@ them: the issue's target is at most 1.15x). Not a public module.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -22,6 +23,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.config import parse_bytes
+from lightning_pstar.demos import GPTConfig, gpt_num_params
 from lightning_pstar.demos.module import GPTLightningModule
 from lightning_pstar.planning.requirements import MemoryBudgetError
 
@@ -70,11 +73,16 @@ class StepProbe(L.Callback):
         self.report = trainer.strategy.memory_report()  # type: ignore[attr-defined]
 
 
+def _sizes(args: argparse.Namespace) -> dict[str, int]:
+    return {"vocab_size": args.vocab, "block_size": args.block, "n_layer": args.n_layer, "n_head": args.n_head,
+            "n_embd": args.n_embd}  # fmt: skip
+
+
 def _module(args: argparse.Namespace) -> GPTLightningModule:
+    """Built on the meta device and materialised chunk by chunk by the strategy (a model larger than RAM is never
+    whole in fp32 in host memory)."""
     torch.manual_seed(0)
-    return GPTLightningModule(
-        vocab_size=args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
-    )
+    return GPTLightningModule(**_sizes(args), meta_init=True)
 
 
 def _loader(args: argparse.Namespace) -> DataLoader:
@@ -142,22 +150,25 @@ def cached_bytes() -> int:
 
 def run_training(args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
     """Both runs (with the disk tier first, so the process's peak RSS is its own) and the model's figures."""
-    params = sum(p.numel() for p in _module(args).parameters())
+    params = gpt_num_params(GPTConfig(**_sizes(args)))
     state_bytes = params * (12 if args.precision != "32-true" else 8)  # fp32 master (mixed) and two Adam states
-    host_budget = int(args.host_fraction * state_bytes)
+    host_budget = parse_bytes(args.host_budget) if args.host_budget else int(args.host_fraction * state_bytes)
     chunk_size = max(1024, -(-params // args.families))
     model_bytes = params * (2 + 12 if args.precision != "32-true" else 16)
-    budgets = {"host_budget": host_budget, "device_budget": 4 * model_bytes + (256 << 20), "chunk_size": chunk_size}
+    device_budget = parse_bytes(args.device_budget) if args.device_budget else 4 * model_bytes + (256 << 20)
+    budgets = {"host_budget": host_budget, "device_budget": device_budget, "chunk_size": chunk_size}
     with_disk = _fit(args, **budgets, disk=disk_dir)
-    without = _fit(args, **budgets, disk=None)
+    without = _fit(args, **budgets, disk=None) if not args.skip_without else None
     return {
         "params": params,
         "precision": args.precision,
         "model_data_bytes": model_bytes,
         "optimizer_state_bytes": state_bytes,
         "host_budget_bytes": host_budget,
+        "device_budget_bytes": device_budget,
+        "physical_ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "chunk_size": chunk_size,
-        "runs": [with_disk, without],
+        "runs": [r for r in (with_disk, without) if r is not None],
     }
 
 
@@ -166,7 +177,9 @@ def print_training(result: dict[str, Any]) -> None:
     print(
         f"\ndemo GPT, {result['params']:,} parameters, {result['precision']}: model data"
         f" {result['model_data_bytes'] / mib:.1f} MiB, optimizer states {result['optimizer_state_bytes'] / mib:.1f}"
-        f" MiB, host budget {result['host_budget_bytes'] / mib:.1f} MiB"
+        f" MiB, host budget {result['host_budget_bytes'] / mib:.1f} MiB, device budget"
+        f" {result['device_budget_bytes'] / mib:.1f} MiB; model data / physical RAM"
+        f" {result['model_data_bytes'] / result['physical_ram_bytes']:.2f}"
     )
     for r in result["runs"]:
         name = "with disk tier" if r["disk_tier"] else "without disk tier"

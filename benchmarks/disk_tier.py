@@ -4,6 +4,8 @@
     python benchmarks/disk_tier.py                          # 2 GiB in the temp dir, table
     python benchmarks/disk_tier.py --dir /nvme/scratch --size 8GiB --json disk.json
     python benchmarks/disk_tier.py --train --dir /nvme/scratch --n-layer 8 --n-embd 1024 --json disk.json
+    python benchmarks/disk_tier.py --train --size 256MiB --n-layer 24 --n-embd 3072 --n-head 24 --block 16 \
+        --batch-size 1 --families 96 --host-budget 9GiB --device-budget 8GiB --json big.json   # model > 1.5x RAM
     python benchmarks/disk_tier.py --tiny                   # seconds: the script's own check of part 1
     python benchmarks/disk_tier.py --quick                  # ... of both parts (a tiny GPT)
 
@@ -231,6 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default) or 32-true")
     train.add_argument("--host-fraction", type=float, default=0.6, help="host budget / optimizer-state bytes")
     train.add_argument("--families", type=int, default=32, help="chunk families the model is cut into")
+    train.add_argument("--host-budget", help="host budget in bytes or '8GiB' (instead of --host-fraction)")
+    train.add_argument("--device-budget", help="simulated device budget (default: 4x the model data + 256 MiB)")
+    train.add_argument("--skip-without", action="store_true", help="no run without the disk tier")
     args = parser.parse_args(argv)
     if args.quick:
         args.tiny = args.train = True

@@ -469,7 +469,16 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         try:
             self._teardown()
         except Exception as err:  # noqa: BLE001 - logged: the error being raised already is the user's
-            log.warning("PatrickStar teardown after a failed run: %s: %s", type(err).__name__, err)
+            module = self.lightning_module
+            # a model still on the meta device (setup refused before materialising it) has nothing to hand back:
+            # Lightning's `.cpu()` on it fails, which the user cannot act on
+            unbuilt = module is not None and any(p.is_meta for p in module.parameters())
+            log.log(
+                logging.DEBUG if unbuilt else logging.WARNING,
+                "PatrickStar teardown after a failed run: %s: %s",
+                type(err).__name__,
+                err,
+            )
             self._hooks, self._manager = None, None
             quiet_teardown(self.precision_plugin, self.checkpoint_io, self.accelerator)
 
