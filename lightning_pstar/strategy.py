@@ -472,7 +472,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             module = self.lightning_module
             # a model still on the meta device (setup refused before materialising it) has nothing to hand back:
             # Lightning's `.cpu()` on it fails, which the user cannot act on
-            unbuilt = module is not None and any(p.is_meta for p in module.parameters())
+            unbuilt = module is not None and any(p.device.type == "meta" for p in module.parameters())
             log.log(
                 logging.DEBUG if unbuilt else logging.WARNING,
                 "PatrickStar teardown after a failed run: %s: %s",

@@ -36,6 +36,7 @@ from lightning_pstar.runtime.budgets import (
     check_setup_budgets,
     device_budget_of,
     host_budget_of,
+    host_ram_bytes,
     plan_layout,
     warn_unbound_host_limit,
 )
@@ -201,9 +202,27 @@ class ChunkManager:
         )
         if self._disk_plan is not None and self._disk_plan.family_ids:  # refused before anything is allocated
             check_disk_path(config.memory.disk_path, self._disk_plan.file_bytes, config.memory.disk_limit_bytes)
+            self._check_hand_back_fits()
         elif config.memory.disk_path is not None:
             log.info("PatrickStar: disk_path is set, but the host budget holds the optimizer side: no disk tier.")
         return device_budget, host_budget, policy
+
+    def _check_hand_back_fits(self) -> None:
+        """With families on disk, ``hand_back_weights=True`` would copy every fp32 weight and optimizer state into
+        host memory at the end of the run (the user's module and optimizer hold ordinary tensors): refuse that at
+        setup where it exceeds the machine's RAM, instead of failing after the training."""
+        if not self.config.hand_back_weights:
+            return
+        need = self.layout.payload_elements * (4 + self.bytes_per_element().optimizer)
+        ram = host_ram_bytes()
+        if need > ram:
+            raise MemoryBudgetError(
+                f"hand_back_weights=True would copy the trained fp32 weights and optimizer states into host memory at"
+                f" the end of the run: {format_bytes(need)}, more than this machine's RAM ({format_bytes(ram)}); the"
+                " disk tier holds them during the run. HINT: pass hand_back_weights=False and take the weights"
+                " from a checkpoint (ModelCheckpoint or trainer.save_checkpoint read the disk tier one family at a"
+                " time)."
+            )
 
     def _disk_split(self, excess: int) -> tuple[int, int]:
         """The disk tier's share of the host need (``check_setup_budgets``): :func:`plan_disk_tier`."""

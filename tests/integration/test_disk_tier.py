@@ -172,6 +172,19 @@ def test_host_budget_too_small_even_with_disk(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+def test_hand_back_larger_than_ram_refused_at_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With families on disk, the end-of-run hand-back would bring every fp32 weight and optimizer state into host
+    memory: where that exceeds the machine's RAM (here a machine of 64 KiB) the run is refused at setup, naming
+    hand_back_weights=False; with it, the same run trains."""
+    monkeypatch.setattr("lightning_pstar.runtime.manager.host_ram_bytes", lambda: 64 << 10)
+    with pytest.raises(MemoryBudgetError, match="hand_back_weights=False"):
+        _fit(tmp_path, TIGHT, "32-true")
+    assert os.listdir(tmp_path) == [], "refused before the run directory was created"
+    result = _fit(tmp_path, TIGHT, "32-true", options={"hand_back_weights": False})
+    assert len(result.losses) == STEPS
+    assert os.listdir(tmp_path) == []
+
+
 # ---- checkpoints and resume ------------------------------------------------------------------------------------
 
 
