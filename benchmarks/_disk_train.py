@@ -100,6 +100,7 @@ def _fit(
         chunk_size=chunk_size,
         host_memory_limit=host_budget,
         device_memory_limit=device_budget,  # holds the model: the host budget bounds what the host step keeps there
+        hand_back_weights=False,  # nothing reads the weights after the run (a model beyond RAM could not take them)
         **options,
     )
     probe = StepProbe()
