@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
 from lightning_pstar.checkpoint import consolidate
 from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.disk import DiskIOError
 from lightning_pstar.runtime.state import Tier
@@ -104,7 +105,18 @@ def test_trainer_bitwise_with_disk_tier(tmp_path: Path, precision: str, trainer_
     assert os.listdir(tmp_path) == [], "the run directory is removed at the end of the run"
 
 
-@pytest.mark.parametrize("overlap", ["auto", "next_forward"])
+def test_16_mixed_bitwise_with_disk_tier(tmp_path: Path) -> None:
+    """fp16 loss scaling (its overflow check reads every gradient first, skipped steps included) with the fp32
+    masters and optimizer states of some families on disk: the run without a disk tier, bit for bit."""
+    peek = Peek()
+    got = _fit(tmp_path, TIGHT, "16-mixed", callbacks=[peek], plugins=[PatrickStarPrecision("16-mixed")])
+    want = _fit(None, ROOMY, "16-mixed", plugins=[PatrickStarPrecision("16-mixed")])
+    assert 0 < peek.on_disk < peek.families
+    _assert_bitwise(got, want, "16-mixed")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overlap", ["pipeline", "next_forward"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_pipelined_disk_step_bitwise_serial(tmp_path: Path, precision: str, overlap: str) -> None:
     """The pipelined step (read k+1 while Adam runs on k and k-1 is written back) against the serial disk step."""
