@@ -51,6 +51,16 @@ def _fit(strategy: Any, loader: DataLoader) -> tuple[list[float], Any]:
     return recorder.losses, spy.sampler
 
 
+def test_one_rank_trainer_sees_autos_batches() -> None:
+    data = make_dataset(48)
+    reference, ref_sampler = _fit("auto", DataLoader(data, batch_size=4, shuffle=True))
+    losses, sampler = _fit(PatrickStarStrategy(), DataLoader(data, batch_size=4, shuffle=True))
+    assert isinstance(ref_sampler, RandomSampler)
+    assert isinstance(sampler, RandomSampler), f"a {type(sampler).__name__} was injected at one rank"
+    assert len(losses) == STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=0.0)
+
+
 def test_one_rank_trainer_keeps_the_users_distributed_sampler() -> None:
     data = make_dataset(16)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
