@@ -34,6 +34,9 @@ from tests.helpers.data import make_dataset
 from tests.helpers.runs import LM, LossRecorder, quiet_trainer_options
 from tests.helpers.semantics import ATTENTION_MODELS, ManualLM, ManualSpec, max_abs_diff
 
+# two spawned gloo ranks per test; tests/integration/test_training_semantics.py runs the same modules at one rank
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 BATCHES = 6
 """Batches per rank: 6 steps, or 2 when accumulating 3."""
