@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["MemoryReport", "format_bytes"]
+__all__ = ["MemoryReport", "format_bytes", "format_chunk_counts"]
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
@@ -27,6 +27,18 @@ def format_bytes(n: int | float | None, *, exact: bool = False) -> str:
             human = f"{value:.{digits}f} {unit}"
             break
     return f"{int(n):,} bytes ({human})" if exact else human
+
+
+def format_chunk_counts(
+    num_chunks: int, chunk_size: int, *, larger_chunks: int = 0, largest_chunk: int = 0, auto: bool = False
+) -> str:
+    """The one chunk line of the memory report and the planner: ``"8 x 4,096 elements"``, or
+    ``"10: 8 of 4,096 elements, 2 larger (up to 65,536)"`` where parameters larger than the chunk size got
+    chunks of their own; ``auto`` marks a chunk size the engine chose (``"4,096 elements (auto)"``)."""
+    size = f"{chunk_size:,} elements{' (auto)' if auto else ''}"
+    if larger_chunks == 0:
+        return f"{num_chunks} x {size}"
+    return f"{num_chunks}: {num_chunks - larger_chunks} of {size}, {larger_chunks} larger (up to {largest_chunk:,})"
 
 
 @dataclass(kw_only=True)
@@ -133,14 +145,8 @@ class MemoryReport:
         ]
 
     def _chunks_line(self) -> str:
-        """The chunk line: ``8 x 4,096 elements``, or ``10: 8 of 4,096 elements, 2 larger (up to 65,536)`` where
-        parameters larger than the chunk size got chunks of their own."""
-        if self.larger_chunks == 0:
-            return f"{self.num_chunks} x {self.chunk_size:,} elements"
-        regular = self.num_chunks - self.larger_chunks
-        return (
-            f"{self.num_chunks}: {regular} of {self.chunk_size:,} elements,"
-            f" {self.larger_chunks} larger (up to {self.largest_chunk:,})"
+        return format_chunk_counts(
+            self.num_chunks, self.chunk_size, larger_chunks=self.larger_chunks, largest_chunk=self.largest_chunk
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from lightning_pstar.planning.requirements import (
     min_device_bytes,
 )
 from lightning_pstar.planning.tiers import optimizer_starts_on_host, setup_chunk_room, tier_need
-from lightning_pstar.report import format_bytes
+from lightning_pstar.report import format_bytes, format_chunk_counts
 
 if TYPE_CHECKING:
     from lightning_pstar.demos.gpt import GPTConfig
@@ -104,6 +104,8 @@ class CapacityPlan:
     chunk_size: int  # elements; a chunk holding one oversized parameter may be larger
     chunk_size_auto: bool
     num_chunks: int  # chunk families, padding families for the world size included
+    larger_chunks: int  # of num_chunks: families larger than chunk_size (a parameter too big for one chunk)
+    largest_chunk: int  # elements of the largest family
     num_frozen_chunks: int
     chunk_utilisation: float  # parameter elements / chunk capacity
     bytes_per_element: BytesPerElement
@@ -177,8 +179,14 @@ class CapacityPlan:
             ("parameters", f"{self.num_params:,} ({self.num_trainable_params:,} trainable, {self._frozen:,} frozen)"),
             (
                 "chunks",
-                f"{self.num_chunks} x {self.chunk_size:,} elements{' (auto)' if self.chunk_size_auto else ''},"
-                f" {self.num_frozen_chunks} frozen; utilisation {self.chunk_utilisation:.1%}",
+                format_chunk_counts(
+                    self.num_chunks,
+                    self.chunk_size,
+                    larger_chunks=self.larger_chunks,
+                    largest_chunk=self.largest_chunk,
+                    auto=self.chunk_size_auto,
+                )
+                + f", {self.num_frozen_chunks} frozen; utilisation {self.chunk_utilisation:.1%}",
             ),
             ("model data", f"{_fmt(self.model_data_bytes)}, {self.bytes_per_param:.2f} B/param"),
             *((f"  {name}", _fmt(nbytes)) for name, nbytes in self._kinds()),
@@ -400,6 +408,8 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         chunk_size=layout.chunk_size,
         chunk_size_auto=settings.chunk_elements is None,
         num_chunks=len(layout.chunks),
+        larger_chunks=sum(1 for c in layout.chunks if c.capacity > layout.chunk_size),
+        largest_chunk=max((c.capacity for c in layout.chunks), default=layout.chunk_size),
         num_frozen_chunks=sum(not c.trainable for c in layout.chunks),
         chunk_utilisation=layout.utilisation,
         bytes_per_element=bpe,

@@ -15,8 +15,10 @@ then check, from those files:
   trains a step;
 - with one rank's data file deleted it is refused, naming the file, before anything changes.
 
-Two ranks use batch size ``B`` each, one rank ``2B``, with ``shuffle=False``: Lightning's DistributedSampler gives
-rank ``r`` the samples ``r, r + 2, ...``, so the global batch of every step holds the same samples at 1 and 2 ranks.
+Two ranks use batch size ``B`` each, one rank ``2B``. For training, Lightning's injected DistributedSampler shuffles
+(seed 0, whatever the loader says) and gives rank ``r`` the indices ``r, r + 2, ...`` of the epoch's permutation;
+the one-rank run puts in the same sampler unsplit (``global_batch_sampler``: at one rank the strategy, like
+``auto``, injects none), so the global batch of every step holds the same samples at 1 and 2 ranks.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pstar import LossScaleConfig, PatrickStarPrecision, PatrickStarStrategy
 from lightning_pstar.checkpoint import CheckpointError, consolidate, full_state_dict
+from tests.helpers.data import global_batch_sampler
 
 pytestmark = pytest.mark.slow  # every test here trains on spawned ranks: tens of seconds each
 
@@ -225,7 +228,10 @@ def fit_job(job: Job) -> LM:
         **precision,
     )
     module = LM(seed=SEED if job.ckpt_path is None else 999)
-    loader = DataLoader(make_dataset(), batch_size=job.batch_size, shuffle=False)
+    data = make_dataset()
+    # several ranks: Lightning injects its DistributedSampler; one rank: the same permutation, unsplit
+    sampler = global_batch_sampler(data) if job.devices == 1 else None
+    loader = DataLoader(data, batch_size=job.batch_size, shuffle=False, sampler=sampler)
     trainer.fit(module, loader, ckpt_path=job.ckpt_path)
     # after fit the module holds ordinary fp32 weights on every rank
     torch.save(module.state_dict(), Path(job.out_dir) / f"{job.tag}-rank{trainer.global_rank}.pt")

@@ -49,6 +49,8 @@ from tests.helpers.killpoints import (
 
 WORLD = 2
 CASES = [("consolidated", "link"), ("sharded", "link"), ("sharded", "real-directory")]
+# the quick subset keeps the cheapest 2-rank case; the sharded ones (10-15 s each) run in the full suite
+QUICK_CASES = [CASES[0], *(pytest.param(*case, marks=pytest.mark.slow) for case in CASES[1:])]
 WHO = ("rank0", "rank1", "both")
 
 
@@ -167,7 +169,7 @@ def check_kill_points(tmp_path: Path, fmt: str, target: str, every: bool) -> Non
     assert found[1] > 0 and found[2] > 0 and both_killed > 0
 
 
-@pytest.mark.parametrize(("fmt", "target"), CASES)
+@pytest.mark.parametrize(("fmt", "target"), QUICK_CASES)
 def test_two_rank_kill_points_keep_a_checkpoint(fmt: str, target: str, tmp_path: Path) -> None:
     check_kill_points(tmp_path, fmt, target, every=False)
 

@@ -51,6 +51,7 @@ def _collectives(rank: int, world: int, backend: str, on_cuda: bool) -> dict[str
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawned ranks; tests/unit/test_sharding.py runs the bucket logic over a fake comm
 @pytest.mark.parametrize(
     ("backend", "world", "on_cuda"),
     [

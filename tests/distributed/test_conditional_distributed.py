@@ -9,8 +9,8 @@ pair its collective with a different one of its peer's (which would exchange the
 Reference: Lightning's ``ddp_spawn`` with ``find_unused_parameters=True``. DDP averages the gradient of an expert
 used on one rank with the other rank's zero, and leaves an expert used on no rank without a gradient, so AdamW
 neither counts nor applies a step for it. PatrickStar (``patrickstar_spawn``) must give the same losses on every
-rank within 1e-5, the same AdamW step counts, and leave globally unused experts untouched. Both run from one
-isolated driver process under a hard timeout; any rank's failure is re-raised in the test.
+rank within 1e-5, the same AdamW step counts, and leave globally unused experts untouched. All runs go one after
+the other in one isolated driver process under a hard timeout; any rank's failure is re-raised in the test.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ BATCH = 2  # per rank
 LOSS_RTOL = 1e-5
 # a collective that its peer never joins fails after this long (gloo raises) instead of hanging the run
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-RUN_TIMEOUT_S = 600.0  # the hard limit of one isolated driver (two spawned ranks): only a hang reaches it, on any load
+RUN_TIMEOUT_S = 600.0  # the hard limit of the isolated driver (four runs of two spawned ranks): only a hang
 # the expert of every token of sequence j; an unshuffled DistributedSampler gives rank r the sequences r, r + 2,
 # r + 4, ..., so step k reads sequences 4k, 4k + 2 on rank 0 and 4k + 1, 4k + 3 on rank 1
 PATTERN = [0, 1, 0, 1, 2, 2, 0, 3, 0, 3, 1, 3, 0, 2, 1, 3, 3, 3, 2, 3, 0, 1, 2, 2]
@@ -219,34 +219,33 @@ def test_premise_ranks_skip_different_experts() -> None:
     assert sum(len(experts_on(0, s) | experts_on(1, s)) < N_EXPERTS for s in range(STEPS)) >= 4
 
 
-@pytest.fixture(scope="module")
-def ddp_records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """The reference run (once for both chunk layouts)."""
-    ref = Spec(tag="ddp", out_dir=str(tmp_path_factory.mktemp("ddp")), strategy="ddp_spawn")
-    run_isolated(fit_all, [ref], timeout=RUN_TIMEOUT_S)
-    return read(ref)
-
-
 # 64-element chunks: every Linear weight of every expert in a chunk of its own, so a rank that skips an expert
 # skips the modules of chunk groups the other rank needs; the default size puts the whole model in one group.
 # bucket_bytes=0 gives every group collectives of its own (the second rounds below); the default buckets share
 # them between the small groups ([Note: buckets of chunk groups])
-@pytest.mark.parametrize(
-    ("chunk_size", "bucket_bytes"),
-    [(None, None), (64, 0), (64, None)],
-    ids=["default-chunks", "expert-per-group", "expert-per-group-buckets"],
-)
-@pytest.mark.slow
-def test_experts_skipped_on_different_ranks(
-    chunk_size: int | None, bucket_bytes: int | None, ddp_records: list[dict[str, Any]], tmp_path: Path
-) -> None:
-    got = Spec(
-        tag="pstar", out_dir=str(tmp_path), strategy="patrickstar_spawn", chunk_size=chunk_size,
-        bucket_bytes=bucket_bytes,
-    )  # fmt: skip
-    run_isolated(fit_all, [got], timeout=RUN_TIMEOUT_S)
+LAYOUTS = {"default-chunks": (None, None), "expert-per-group": (64, 0), "expert-per-group-buckets": (64, None)}
 
-    refs, gots = ddp_records, read(got)
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The ddp reference and the PatrickStar run of every layout, one after the other in one isolated driver (each
+    spawn strategy starts its own two ranks): the driver's start-up, Lightning's import, is paid once, not four
+    times. A run that fails fails every test of the module, naming its traceback."""
+    out = str(tmp_path_factory.mktemp("conditional"))
+    specs = [Spec(tag="ddp", out_dir=out, strategy="ddp_spawn")]
+    for tag, (chunk_size, bucket_bytes) in LAYOUTS.items():
+        specs.append(
+            Spec(tag=tag, out_dir=out, strategy="patrickstar_spawn", chunk_size=chunk_size, bucket_bytes=bucket_bytes)
+        )
+    run_isolated(fit_all, specs, timeout=RUN_TIMEOUT_S)
+    return {spec.tag: read(spec) for spec in specs}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.slow
+def test_experts_skipped_on_different_ranks(layout: str, records: dict[str, list[dict[str, Any]]]) -> None:
+    chunk_size, bucket_bytes = LAYOUTS[layout]
+    refs, gots = records["ddp"], records[layout]
     if chunk_size == 64 and bucket_bytes == 0:
         # the varying experts made some rank's gradients of a group come after the group's first round: the second
         # rounds ran, and the weights below match DDP's with them

@@ -1,7 +1,8 @@
 """bf16-mixed at 2 ranks against 1 rank with the batch doubled, and the memory each rank keeps.
 
-With ``shuffle=False`` Lightning's DistributedSampler gives rank r the indices r, r + 2, r + 4, ..., so the
-union of the two ranks' batches of 4 is exactly the 1-rank batch of 8, and the mean of the two ranks' losses is
+Lightning's injected DistributedSampler gives rank r the indices r, r + 2, r + 4, ... of the epoch's permutation
+and the 1-rank run takes that permutation unsplit (``global_batch_sampler``), so the union of the two ranks'
+batches of 4 is exactly the 1-rank batch of 8, and the mean of the two ranks' losses is
 the 1-rank loss (equal-sized halves), up to bf16 rounding. The gradients agree the same way (ZeRO averages them
 over ranks), so the runs stay together over the steps and the final fp32 masters are close.
 

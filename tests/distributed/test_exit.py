@@ -48,6 +48,7 @@ def _handler(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # spawned gloo ranks
 def test_exit_handler_drops_the_group_references_and_destroys_the_groups() -> None:
     for rank, r in enumerate(run_ranks(_handler, 2)):
         assert not r["registered_before"] and r["registered"], f"rank {rank}"
@@ -69,6 +70,7 @@ def _exit_abort() -> Iterator[Any]:
         sys.path.remove(str(BENCHMARKS))
 
 
+@pytest.mark.slow  # two runs of spawned gloo ranks
 def test_spawned_gloo_ranks_exit_without_an_abort() -> None:
     # the benchmark's "engine" pattern: a kept ChunkComm, four collectives in flight at a time, the switch
     # interval at 100 s; a run returns what ended a rank ("terminated with signal SIGABRT"), None if nothing did

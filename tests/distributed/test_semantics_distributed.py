@@ -4,7 +4,8 @@ Manual optimization with two optimizers (one backward, and the GAN pattern with 
 clipping, manual gradient accumulation with a schedule stepped by hand, ``nn.TransformerEncoder`` and a bare
 ``nn.MultiheadAttention``. Both sides run in the same two processes that the test's launcher starts with a
 torchrun-style environment (``ddp`` and ``patrickstar`` join them; any rank's failure is re-raised here), on the
-same data (Lightning's DistributedSampler over an unshuffled loader gives rank r the sequences r, r + 2, ...).
+same data (Lightning injects the same seeded DistributedSampler for both: rank r gets r, r + 2, ... of the epoch's
+permutation).
 Every loss on every rank within 1e-5 (relative) of ddp's, and the final weights close to ddp's. Small chunks
 spread the chunk families over both ranks, so each rank steps the families it owns and gathers the others.
 
@@ -32,6 +33,9 @@ from tests.helpers.asserts import LOSS_RTOL, assert_states_close
 from tests.helpers.data import make_dataset
 from tests.helpers.runs import LM, LossRecorder, quiet_trainer_options
 from tests.helpers.semantics import ATTENTION_MODELS, ManualLM, ManualSpec, max_abs_diff
+
+# two spawned gloo ranks per test; tests/integration/test_training_semantics.py runs the same modules at one rank
+pytestmark = pytest.mark.slow
 
 WORLD = 2
 BATCHES = 6

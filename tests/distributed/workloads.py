@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.runtime.comm import destroy_process_groups_at_exit
-from tests.helpers.data import make_dataset
+from tests.helpers.data import global_batch_sampler, make_dataset
 from tests.helpers.models import N_EMBD, SEED, VOCAB, FlatGPT
 from tests.helpers.runs import quiet_trainer_options
 
@@ -200,8 +200,11 @@ def fit(spec: RunSpec) -> None:
         limit_val_batches=0,
         **quiet_trainer_options(),
     )
-    # unshuffled: Lightning's DistributedSampler then gives rank r the indices r, r + W, r + 2W, ...
-    loader = DataLoader(make_dataset(spec.n_seq), batch_size=spec.batch_size, shuffle=False)
+    # W ranks: Lightning injects a DistributedSampler that shuffles (seed 0) and gives rank r the indices r, r + W,
+    # ... of the permutation; one rank (none injected, as under auto) takes the same permutation unsplit
+    data = make_dataset(spec.n_seq)
+    sampler = global_batch_sampler(data) if spec.devices * spec.num_nodes == 1 else None
+    loader = DataLoader(data, batch_size=spec.batch_size, shuffle=False, sampler=sampler)
     module = HookedRecordingModule(spec) if spec.grad_hook else RecordingModule(spec)
     trainer.fit(module, train_dataloaders=loader)
 

@@ -78,7 +78,6 @@ def _check_types(record: dict[str, Any], expected: dict[str, Any], where: str) -
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_compare_and_gpu_check_write_complete_json(tmp_path: Path) -> None:
     compare_json, gpu_json, plot = tmp_path / "compare.json", tmp_path / "gpu_check.json", tmp_path / "compare.png"
     compare = _start(
@@ -134,6 +133,7 @@ def test_compare_and_gpu_check_write_complete_json(tmp_path: Path) -> None:
     assert gpu_out.index("patrickstar-host ") < gpu_out.index("all rows:"), gpu_out
 
 
+@pytest.mark.slow  # a benchmark end to end in subprocesses
 def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
     """benchmarks/scaling.py --quick (issue 18): PatrickStar's engine CPU per module, collectives per step and
     bytes/param per rank at 1 and 2 ranks, in seconds."""
@@ -161,6 +161,7 @@ def test_scaling_quick_writes_its_table_and_json(tmp_path: Path) -> None:
     assert "minor page faults per step" in out, out
 
 
+@pytest.mark.slow  # a benchmark end to end in subprocesses
 def test_scaling_runs_in_the_precision_it_is_given(tmp_path: Path) -> None:
     """``benchmarks/scaling.py --precision 32-true`` (a CPU without bf16 units): the runs train in fp32, so
     PatrickStar keeps 16 bytes of model data per parameter over the ranks (no fp32 master beside a bf16 copy),
@@ -176,6 +177,7 @@ def test_scaling_runs_in_the_precision_it_is_given(tmp_path: Path) -> None:
     assert row["world_size"] == 2 and 8.0 <= row["bytes_per_param"] < 9.0, row
 
 
+@pytest.mark.slow  # a benchmark end to end in subprocesses
 def test_collectives_times_every_collective_at_every_size(tmp_path: Path) -> None:
     """benchmarks/collectives.py (the README's and comm.py's gloo figures): one positive time per collective and
     size, from two real ranks."""

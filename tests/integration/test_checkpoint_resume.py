@@ -466,6 +466,7 @@ def _kill_in_the_middle_of_a_save(fmt: str, where: str, tmp_path: Path) -> tuple
     return target, (markers / "killme").read_text()
 
 
+@pytest.mark.slow  # a Trainer killed in a subprocess; test_checkpoint_safety.py kills every filesystem step quickly
 @pytest.mark.parametrize(
     ("fmt", "where"), [("consolidated", "write"), ("sharded", "write"), ("sharded", "between-renames")]
 )

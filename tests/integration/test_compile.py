@@ -113,7 +113,7 @@ def _explain(model: nn.Module, idx: torch.Tensor, context: Callable[[], Any]) ->
         return torch._dynamo.explain(model)(idx)
 
 
-@pytest.mark.parametrize("case", ["five-linear", "demo-gpt"])
+@pytest.mark.parametrize("case", ["five-linear", pytest.param("demo-gpt", marks=pytest.mark.slow)])
 def test_graph_count_is_that_of_opaque_hooks(case: str) -> None:
     """The engine's hooks cost no more graphs than no-op hooks that dynamo cannot trace, on the same modules."""
     if case == "demo-gpt":

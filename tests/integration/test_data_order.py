@@ -1,9 +1,10 @@
 """Issue 30: at one rank the strategy sees the batches ``strategy="auto"`` sees.
 
 Lightning and Fabric inject a ``DistributedSampler`` for every ``DDPStrategy`` subclass, even at world size 1,
-where its own seeded shuffle reorders the data against ``auto``'s ``RandomSampler``. The comparison a user makes
-first (the same seed, data and weights under ``auto`` and ``patrickstar``, 32-true) must give the same losses:
-the Trainer runs with Lightning's defaults (``use_distributed_sampler`` left on) and a shuffled loader. A
+where its own seeded shuffle reorders the data against ``auto``'s ``RandomSampler`` (and the Trainer's shuffles an
+unshuffled loader too). The comparison a user makes first (the same seed, data and weights under ``auto`` and
+``patrickstar``, 32-true) must give the same losses: the Trainer runs with Lightning's defaults
+(``use_distributed_sampler`` left on) and a shuffled or an unshuffled loader. A
 ``DistributedSampler`` the user puts in the loader is kept. At two ranks the sampler is still injected
 (``tests/distributed/test_data_order_distributed.py`` for the Trainer; here for Fabric's strategy property).
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.environments import LightningEnvironment
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
 from tests.helpers.asserts import LOSS_RTOL
@@ -49,6 +51,20 @@ def _fit(strategy: Any, loader: DataLoader) -> tuple[list[float], Any]:
     )
     trainer.fit(TinyLM(optim=OptimSpec(name="sgd", lr=0.1, momentum=0.9)), train_dataloaders=loader)
     return recorder.losses, spy.sampler
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "unshuffled"])
+def test_one_rank_trainer_sees_autos_batches(shuffle: bool) -> None:
+    """Lightning's injected sampler would draw its own permutation for a shuffled loader, and shuffle an unshuffled
+    one too (it always shuffles for training)."""
+    data = make_dataset(48)
+    kind = RandomSampler if shuffle else SequentialSampler
+    reference, ref_sampler = _fit("auto", DataLoader(data, batch_size=4, shuffle=shuffle))
+    losses, sampler = _fit(PatrickStarStrategy(), DataLoader(data, batch_size=4, shuffle=shuffle))
+    assert isinstance(ref_sampler, kind)
+    assert isinstance(sampler, kind), f"a {type(sampler).__name__} was injected at one rank"
+    assert len(losses) == STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=0.0)
 
 
 def test_one_rank_trainer_keeps_the_users_distributed_sampler() -> None:

@@ -95,6 +95,7 @@ def test_tiny_run_with_plain_lightning(tmp_path: Path) -> None:
     assert "final val_loss: " in proc.stdout and "(perplexity " in proc.stdout
 
 
+@pytest.mark.slow  # the example end to end; tests/unit/test_config.py checks the misspelled key is named
 @pytest.mark.parametrize("override", ["+strategy.chunk_sise=5"])
 def test_misspelled_strategy_option_fails_naming_it(tmp_path: Path, override: str) -> None:
     proc = run_example(tmp_path / "run", override)

@@ -91,7 +91,8 @@ def test_memory_report_fields(precision: str, per_param: float) -> None:
     assert str(report)
 
 
-def test_registered_by_name_and_import_twice() -> None:
+@pytest.mark.slow  # a fresh interpreter importing Lightning; the quick test below trains by the registered name
+def test_registered_after_importing_twice() -> None:
     code = (
         "import importlib, lightning_pstar\n"
         "importlib.reload(lightning_pstar)\n"
@@ -102,6 +103,8 @@ def test_registered_by_name_and_import_twice() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
+
+def test_registered_by_name() -> None:
     trainer = make_trainer(strategy="patrickstar", max_steps=2)
     assert isinstance(trainer.strategy, lightning_pstar.PatrickStarStrategy)
     trainer.fit(TinyLM(), make_loader())

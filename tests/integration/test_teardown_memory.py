@@ -63,6 +63,7 @@ def _clear_refs_allowed() -> bool:
     return True
 
 
+@pytest.mark.slow  # a fresh process with a 100 MB model; every quick Trainer test hands weights back
 @pytest.mark.skipif(not _clear_refs_allowed(), reason="/proc/self/clear_refs cannot reset VmHWM here")
 def test_teardown_rss_rise_stays_below_two_chunk_families() -> None:
     env = dict(os.environ)
@@ -135,6 +136,7 @@ _SCRIPT_WITH_OPTIMIZER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh process with a 100 MB model; every quick Trainer test hands weights back
 @pytest.mark.skipif(not _clear_refs_allowed(), reason="/proc/self/clear_refs cannot reset VmHWM here")
 def test_hand_back_streams_the_optimizer_states_too() -> None:
     """The hand-back at teardown gives the user's optimizer its states family by family with the weights: the

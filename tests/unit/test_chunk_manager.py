@@ -383,6 +383,7 @@ else:
 """
 
 
+@pytest.mark.slow  # a fresh interpreter that imports Lightning and trains; a crash must not take pytest down
 def test_reading_a_parameter_of_an_evicted_chunk_does_not_crash_the_process() -> None:
     """A parameter is a view of its chunk's DEVICE buffer, whose storage is resized to 0 bytes while the chunk is
     on HOST (in offload mode: after every optimizer step). User code that reads a weight then (a callback, an EMA,

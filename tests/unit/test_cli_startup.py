@@ -43,11 +43,13 @@ def _lightning_modules(imported: set[str]) -> list[str]:
 
 @pytest.mark.parametrize(
     ("argv", "status"),
+    # a fresh interpreter each (torch's import): the quick subset runs one command per CLI and each exit status,
+    # the full suite both answers of both commands (the same parse-before-import path)
     [
-        (("lightning_pstar.plan", "--help"), 0),
+        pytest.param(("lightning_pstar.plan", "--help"), 0, marks=pytest.mark.slow),
         (("lightning_pstar.plan", "configs/model/gpt_small.yaml", "--device-memory", "lots"), 2),
         (("lightning_pstar.consolidate", "--help"), 0),
-        (("lightning_pstar.consolidate",), 2),
+        pytest.param(("lightning_pstar.consolidate",), 2, marks=pytest.mark.slow),
     ],
 )
 def test_commands_answer_without_importing_lightning(argv: tuple[str, ...], status: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -306,6 +307,12 @@ def _bound(params: list[ParamSpec], world_size: int) -> float:
     return payload / max(sum(_aligned(p.numel) for p in params), world_size * _aligned(max(p.numel for p in params)))
 
 
+@functools.cache
+def _one_rank_search(shape: str) -> Layout:
+    """The one-rank layout of a shape, searched once for the world sizes that compare with it (read only)."""
+    return search_chunk_size(_SHAPES[shape](), device_budget_bytes=None, compute_itemsize=2)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("shape", list(_SHAPES))
 def test_utilisation_at_several_ranks_within_ten_points_of_one_rank(shape: str, world_size: int) -> None:
@@ -314,7 +321,7 @@ def test_utilisation_at_several_ranks_within_ten_points_of_one_rank(shape: str, 
     group alone is most of the model: the huge embedding at 3 and 4 ranks); at two ranks a rank's chunks are at
     most 0.55 of the one-rank chunks plus one group."""
     params = _SHAPES[shape]()
-    one = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2)
+    one = _one_rank_search(shape)
     many = search_chunk_size(params, device_budget_bytes=None, compute_itemsize=2, world_size=world_size)
     _check_groups(params, many, world_size)
     assert many.chunk_size >= max(p.numel for p in params)
@@ -371,20 +378,23 @@ def test_largest_first_packing_where_module_order_wastes_too_much() -> None:
     assert order != sorted(order)  # not module order across chunks: largest first
 
 
+@functools.cache
+def _cuda_layout(n_layer: int, world_size: int) -> Layout:
+    """The allocator-friendly layout of a meta GPT; cached, so the one-rank layout is built once per depth."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=n_layer, n_head=2, n_embd=64))
+    named = collect_parameters(model, exclude=set())  # as the engine sees it: the tied embedding once
+    ws = world_size
+    return chunk_layout(
+        named, chunk_elements=None, device_budget=None, compute_itemsize=2, world_size=ws, allocator_friendly=True
+    )
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("n_layer", [2, 8, 32])
 def test_cuda_layouts_at_several_ranks_are_powers_of_two_within_ten_points(n_layer: int, world_size: int) -> None:
     """On CUDA (pinned host buffers) every capacity stays a power of two, within 10 points of one rank's."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=n_layer, n_head=2, n_embd=64))
-    named = collect_parameters(model, exclude=set())  # as the engine sees it: the tied embedding once
-
-    def layout(ws: int) -> Layout:
-        return chunk_layout(
-            named, chunk_elements=None, device_budget=None, compute_itemsize=2, world_size=ws, allocator_friendly=True
-        )
-
-    one, many = layout(1), layout(world_size)
+    one, many = _cuda_layout(n_layer, 1), _cuda_layout(n_layer, world_size)
     assert all(c.capacity & (c.capacity - 1) == 0 for c in many.chunks)
     assert len(many.chunks) % world_size == 0
     assert many.utilisation >= one.utilisation - 0.10, (one.utilisation, many.utilisation)

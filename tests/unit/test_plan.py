@@ -418,6 +418,29 @@ def test_cli_prints_the_plan(cli_run: subprocess.Popen[str]) -> None:
     assert "largest that fits" in stdout and "does not" in stdout
 
 
+@pytest.mark.parametrize(("factory", "chunk_size"), [(_Tied, 72), (_frozen_tied, 64), (_mlp, "auto")])
+def test_the_chunk_line_says_what_the_memory_report_says(
+    factory: Callable[[], nn.Module], chunk_size: int | str
+) -> None:
+    """Issue 30: a parameter larger than ``chunk_size`` gets a family of its own; the plan's chunk line counts
+    those as the engine's memory report does (``10: 8 of 4,096 elements, 2 larger (up to 65,536)``)."""
+    _, manager = _engine_report(
+        factory, precision="32-true", optimizer="adam", chunk_size=chunk_size, accumulates=False
+    )
+    report = manager.memory_report()
+    plan = plan_capacity(
+        factory(), device_memory="1GiB", host_memory="1GiB", precision="32-true", chunk_size=chunk_size
+    )
+    assert (plan.larger_chunks, plan.largest_chunk) == (report.larger_chunks, report.largest_chunk)
+    (report_line,) = [line for line in str(report).splitlines() if "chunks (families)" in line]
+    said = report_line.split("chunks (families)", 1)[1].strip()
+    if chunk_size == "auto":
+        said = said.replace(" elements", " elements (auto)", 1)
+    (plan_line,) = [line for line in str(plan).splitlines() if line.strip().startswith("chunks ")]
+    assert plan_line.split("chunks", 1)[1].strip().startswith(said + ", "), (plan_line, report_line)
+    assert ("larger (up to" in said) == (report.larger_chunks > 0)
+
+
 def test_cli_exit_status_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     base = [str(GPT_SMALL), "--no-largest", "--chunk-size", "50000", "--precision", "32-true"]
     assert main([*base, "--device-memory", "1GiB", "--host-memory", "1GiB", "--json"]) == 0
