@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--block", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--chunk-size", type=int, default=2**19, help="elements per chunk")
+    parser.add_argument("--chunk-size", type=int, default=2**22, help="elements per chunk")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(

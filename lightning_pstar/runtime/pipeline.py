@@ -49,6 +49,7 @@ finishes those that completed, and raises the first error.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,7 +58,23 @@ from time import perf_counter
 
 import torch
 
-__all__ = ["HostJob", "StageTimes", "StepPipeline"]
+__all__ = ["HostJob", "StageTimes", "StepPipeline", "host_lanes"]
+
+
+# [Note: host lanes]
+# The three stages are three threads, but only as many of them run CPU work at once as the machine has cores the
+# compute does not use: a stage that would oversubscribe the cores slows the compute thread it is meant to
+# overlap (measured on a 2-core machine: the backward took 105 ms instead of 55 with steps inside it, as D2H and
+# Adam ran beside it at once). Host Adam is always CPU work; a copy is CPU work on a simulated device (a memcpy)
+# and a DMA engine's on CUDA, where its worker only waits. ``host_lanes`` counts the cores left after torch's
+# intra-op threads (the compute's), at least one.
+def host_lanes() -> int:
+    """How many of the pipeline's CPU stages may run at once ([Note: host lanes])."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - torch.get_num_threads())
 
 
 @dataclass
@@ -93,6 +110,7 @@ class HostJob:
     failed: list[Callable[[], None]] = field(default_factory=list)  # bookkeeping when a stage raised (calling thread)
     after: list[Callable[[], None]] = field(default_factory=list)  # ... and after it
     skip_back: bool = False  # the H2D stage does not run: the family's param chunk goes to the host instead
+    copies_use_cpu: bool = True  # its copies are CPU work (a simulated device), not a DMA engine's (CUDA)
     _done: Future[None] | None = field(default=None, repr=False)
     _back_open: bool = field(default=False, repr=False)  # its H2D stage may run (under the pipeline's lock)
 
@@ -109,6 +127,7 @@ class StepPipeline:
         self._held: list[HostJob] = []  # jobs past their Adam stage whose H2D stage waits for the backward's end
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.times = StageTimes()
+        self._lanes = threading.BoundedSemaphore(host_lanes())  # [Note: host lanes]
         # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
         # in optim/overlap.py): "pipeline", "serial", or None while "auto" still times both
         self.schedule: str | None = None
@@ -268,11 +287,11 @@ class StepPipeline:
             setattr(self.times, stage, getattr(self.times, stage) + perf_counter() - start)
 
     def _run_d2h(self, job: HostJob) -> None:
-        if self._stage(job, "d2h", job.d2h):
+        if self._stage(job, "d2h", job.d2h, on_cpu=job.copies_use_cpu):
             self._workers()[1].submit(self._run_adam, job)
 
     def _run_adam(self, job: HostJob) -> None:
-        if not self._stage(job, "adam", lambda: job.adam(self._scratch_for(job.scratch_numel))):
+        if not self._stage(job, "adam", lambda: job.adam(self._scratch_for(job.scratch_numel)), on_cpu=True):
             return
         assert job._done is not None
         with self._lock:  # the H2D stage's worker never waits for a gate: a held job waits here, in no queue
@@ -284,14 +303,19 @@ class StepPipeline:
                 self._held.append(job)
 
     def _run_h2d(self, job: HostJob) -> None:
-        if self._stage(job, "h2d", job.h2d):
+        if self._stage(job, "h2d", job.h2d, on_cpu=job.copies_use_cpu):
             assert job._done is not None
             job._done.set_result(None)
 
-    def _stage(self, job: HostJob, stage: str, fn: Callable[[], None]) -> bool:
-        """Run one stage of ``job`` (timed); an error ends the job with it (its later stages do not run)."""
+    def _stage(self, job: HostJob, stage: str, fn: Callable[[], None], *, on_cpu: bool) -> bool:
+        """Run one stage of ``job`` (timed; in a host lane where it is CPU work); an error ends the job with it (its
+        later stages do not run)."""
         try:
-            self._timed(stage, fn)
+            if on_cpu:
+                with self._lanes:
+                    self._timed(stage, fn)
+            else:
+                self._timed(stage, fn)
         except BaseException as error:  # noqa: BLE001 - handed to the job's future, raised by _finish
             assert job._done is not None
             job._done.set_exception(error)

@@ -130,3 +130,38 @@ def test_one_family_settles_or_finishes_while_earlier_copies_back_are_held() -> 
     for fid in (0, 1):
         assert log.stages_of(fid) == ["d2h", "adam", "h2d", "finish(True)"]
     pipeline.close()
+
+
+def test_host_lanes_leave_the_compute_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: host lanes]: the cores torch's intra-op threads do not use, at least one."""
+    from lightning_pstar.runtime import pipeline as module
+
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    monkeypatch.setattr(module.torch, "get_num_threads", lambda: 6)
+    assert module.host_lanes() == 2
+    monkeypatch.setattr(module.torch, "get_num_threads", lambda: 8)
+    assert module.host_lanes() == 1
+
+
+def test_cpu_stages_never_run_beyond_the_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one lane, the D2H, Adam and H2D stages of different jobs never run CPU work at the same time."""
+    from lightning_pstar.runtime import pipeline as module
+
+    monkeypatch.setattr(module, "host_lanes", lambda: 1)
+    pipeline = StepPipeline()
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def work(*args: Any) -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        threading.Event().wait(0.01)
+        with lock:
+            running[0] -= 1
+
+    for fid in range(6):
+        pipeline.submit(HostJob(family_id=fid, d2h=work, adam=work, h2d=work, finish=lambda _: None, scratch_numel=1))
+    pipeline.drain()
+    pipeline.close()
+    assert most[0] == 1
