@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from lightning_pstar.config import SUPPORTED_PRECISIONS, PStarConfig, parse_bytes
-from lightning_pstar.planning.disk import plan_disk_tier
+from lightning_pstar.planning.disk import DISK_DEPTH, plan_disk_tier
 from lightning_pstar.planning.largest import LargestModel, Scale, find_largest
 from lightning_pstar.planning.models import ModelTarget, build_gpt, build_meta_model, describe_gpt
 from lightning_pstar.planning.requirements import (
@@ -132,12 +132,16 @@ class CapacityPlan:
     disk_model_data_bytes: int = 0  # files of the families whose fp32 masters and optimizer states go to disk
     disk_families: int = 0
     disk_buffer_bytes: int = 0  # of host_model_data_bytes: the disk tier's host buffers
+    optimizer_placement: str = "auto"  # the strategy's option
+    optimizer_overlap: str = "auto"  # the strategy's option
+    optimizer_on_host: bool = False  # where the optimizer side starts (the host step runs where it is on the host)
+    fits_optimizer_placement: bool = True  # optimizer_placement="device": every family fits the device budget
     largest: LargestModel | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
-        return self.fits_model_data and self.fits_min_device
+        return self.fits_model_data and self.fits_min_device and self.fits_optimizer_placement
 
     @property
     def reasons(self) -> list[str]:
@@ -158,6 +162,11 @@ class CapacityPlan:
                 f"model data per rank {_fmt(need)} > device + host budget {_fmt(budget)}"
                 if self.host_embedding_bytes <= host
                 else f"host-resident embeddings {_fmt(self.host_embedding_bytes)} > host budget {_fmt(host)}"
+            )
+        if not self.fits_optimizer_placement:
+            out.append(
+                f"optimizer_placement='device' needs model data per rank {_fmt(self.model_data_bytes_per_rank)}"
+                f" on the device > device budget {_fmt(self.device_budget)}"
             )
         if not self.fits_min_device:
             out.append(
@@ -209,6 +218,7 @@ class CapacityPlan:
                 + f"; budget {_fmt(self.host_budget)}",
             ),
             *self._disk_rows(),
+            ("optimizer step", self._step_row()),
             ("fits", "yes" if self.fits else "NO: " + "; ".join(self.reasons)),
         ]
         if self.largest is not None:
@@ -217,6 +227,19 @@ class CapacityPlan:
         lines = [f"  {k:<{width}}  {v}" for k, v in rows]
         lines += [f"  note: {n}" for n in self.notes]
         return "PatrickStar capacity plan\n" + "\n".join(lines)
+
+    def _step_row(self) -> str:
+        where = "starts on the host" if self.optimizer_on_host else "on the device"
+        overlap = {
+            "auto": "the faster of the pipelined and the serial step, timed after the warm-up",
+            "pipeline": "pipelined (copies and host Adam at once; inside the backward where exact)",
+            "next_forward": "pipelined, its tail during the next forward",
+            "off": "serial",
+        }[self.optimizer_overlap]
+        return (
+            f"{where} (optimizer_placement={self.optimizer_placement!r}); host-side families: {overlap}"
+            f" (optimizer_overlap={self.optimizer_overlap!r})"
+        )
 
     def _disk_rows(self) -> list[tuple[str, str]]:
         if self.disk_budget is None:
@@ -286,6 +309,8 @@ class _Settings:
     static_fraction: float = 1.0
     warmup_fraction: float = 0.25
     disk_budget: int | None = None  # per rank; None: no disk tier
+    optimizer_placement: str = "auto"  # the strategy's placement.optimizer
+    optimizer_overlap: str = "auto"  # the strategy's placement.optimizer_overlap
 
 
 def _settings(
@@ -302,6 +327,8 @@ def _settings(
     device_type: str | None = None,
     placement: str = "auto",
     disk_memory: int | str | None = None,
+    optimizer_placement: str = "auto",
+    optimizer_overlap: str = "auto",
 ) -> _Settings:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive int, got {world_size!r}. HINT: the number of ranks.")
@@ -309,7 +336,12 @@ def _settings(
         raise ValueError(f"`accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches!r}.")
     device_budget = parse_bytes(device_memory, name="device_memory")
     host_budget = parse_bytes(host_memory, name="host_memory")
-    config = PStarConfig.from_flat(chunk_size=chunk_size, placement=placement)  # the strategy's validation
+    config = PStarConfig.from_flat(  # the strategy's validation
+        chunk_size=chunk_size,
+        placement=placement,
+        optimizer_placement=optimizer_placement,
+        optimizer_overlap=optimizer_overlap,
+    )
     chunk_elements = config.chunks.elements
     mixed = precision != "32-true"
     if device_type is None:
@@ -335,6 +367,8 @@ def _settings(
         static_fraction=config.placement.static_chunk_fraction,
         warmup_fraction=config.placement.warmup_chunk_fraction,
         disk_budget=None if disk_memory is None else parse_bytes(disk_memory, name="disk_memory"),
+        optimizer_placement=config.placement.optimizer.value,
+        optimizer_overlap=config.placement.optimizer_overlap.value,
     )
 
 
@@ -367,13 +401,16 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
     need, where = min_device_bytes(module, layout, index, itemsize=bpe.param, world_size=ws)
     # where the optimizer side starts and the device room chunks get before the warm-up: the engine's placement
     # policies' choices, from the same functions ([Note: the host need] in planning/tiers.py)
+    model_data = tier_need(layout, bpe, world_size=ws).per_rank
     on_host = optimizer_starts_on_host(
         settings.placement,
-        model_data_bytes=tier_need(layout, bpe, world_size=ws).per_rank,
+        model_data_bytes=model_data,
         device_budget=device,
         static_fraction=settings.static_fraction,
         warmup_fraction=settings.warmup_fraction,
     )
+    if settings.optimizer_placement != "auto":  # the engine's ChunkManager._optimizer_start_tier
+        on_host = settings.optimizer_placement == "host"
     room = setup_chunk_room(
         settings.placement,
         device_budget=device,
@@ -389,7 +426,7 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
     if settings.disk_budget is not None and on_host and tiers.host > settings.host_budget:
         disk = plan_disk_tier(
             layout, master=bpe.master, optimizer=bpe.optimizer, rank=0, world_size=ws,
-            excess=tiers.host - settings.host_budget,
+            excess=tiers.host - settings.host_budget, depth=1 if settings.optimizer_overlap == "off" else DISK_DEPTH,
         )  # fmt: skip
         tiers = tiers.with_disk(disk.on_disk, disk.buffers)
     disk_fits = disk is None or settings.disk_budget is None or disk.file_bytes <= settings.disk_budget
@@ -436,6 +473,10 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         disk_families=len(disk.family_ids) if disk is not None else 0,
         disk_buffer_bytes=disk.buffers if disk is not None else 0,
         fits_min_device=need <= device,
+        optimizer_placement=settings.optimizer_placement,
+        optimizer_overlap=settings.optimizer_overlap,
+        optimizer_on_host=on_host,
+        fits_optimizer_placement=settings.optimizer_placement != "device" or model_data <= device,
         notes=_notes(every),
     )
 
@@ -458,6 +499,8 @@ def plan_capacity(
     device_type: str | None = None,
     placement: str = "auto",
     disk_memory: int | str | None = None,
+    optimizer_placement: str = "auto",
+    optimizer_overlap: str = "auto",
 ) -> CapacityPlan:
     """Plan the chunks of ``target`` and say whether it fits ``device_memory`` + ``host_memory`` per rank.
 
@@ -472,6 +515,9 @@ def plan_capacity(
     device budget chunks may use before the warm-up. ``disk_memory`` (per rank; None: no disk tier) plans the disk
     tier as the engine does with ``disk_path`` set: where the host budget cannot hold the optimizer side, the last
     families keep their fp32 masters and optimizer states on disk, and the largest-model search counts that in.
+    ``optimizer_placement`` and ``optimizer_overlap`` are the strategy's options of the same names: where the
+    optimizer side starts ("device" does not fit where the model data exceeds the device budget) and how many
+    families the disk tier loads at once (one for the serial step, ``DISK_DEPTH`` for the pipelined one).
     """
     try:
         scale = Scale(scale)
@@ -493,6 +539,8 @@ def plan_capacity(
         device_type=device_type,
         placement=placement,
         disk_memory=disk_memory,
+        optimizer_placement=optimizer_placement,
+        optimizer_overlap=optimizer_overlap,
     )
     module, description, gpt_config = build_meta_model(target, overrides=overrides)
     plan = _plan_module(module, description, settings)

@@ -88,6 +88,15 @@ def _parser() -> argparse.ArgumentParser:
         "--placement", choices=["auto", "static"], default="auto",
         help="the strategy's placement: where the optimizer side starts and the device share chunks get at first",
     )  # fmt: skip
+    parser.add_argument(
+        "--optimizer-placement", choices=["auto", "host", "device"], default="auto",
+        help="the strategy's optimizer_placement: where the fp32 masters and optimizer states start",
+    )  # fmt: skip
+    parser.add_argument(
+        "--optimizer-overlap", choices=["auto", "pipeline", "next_forward", "off"], default="auto",
+        help="the strategy's optimizer_overlap: the host-side step's schedule (the disk tier loads 1 family at once"
+        " when 'off', 3 otherwise)",
+    )  # fmt: skip
     parser.add_argument("--accumulate-grad-batches", type=int, default=1, help="> 1 adds fp32 gradient sums")
     parser.add_argument("--cpu-embedding", action="store_true", help="embeddings fp32 on HOST, outside chunks")
     parser.add_argument(
@@ -130,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             device_type=args.device_type,
             placement=args.placement,
             disk_memory=args.disk_memory,
+            optimizer_placement=args.optimizer_placement,
+            optimizer_overlap=args.optimizer_overlap,
         )
     except ValueError as err:
         parser.error(str(err))  # exits with status 2

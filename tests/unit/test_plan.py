@@ -503,3 +503,30 @@ def test_a_cuda_plan_takes_the_engines_cuda_chunk_sizes(factory: Callable[[], nn
     assert expected["cuda"] & (expected["cuda"] - 1) == 0  # a power of two
     with pytest.raises(ValueError, match="device_type"):
         plan_capacity(factory, device_memory="1GiB", host_memory="1GiB", device_type="tpu")
+
+
+def test_optimizer_placement_and_overlap_as_the_engine_takes_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner takes the strategy's optimizer_placement and optimizer_overlap: "device" does not fit where the
+    model data exceeds the device budget (the engine refuses it at setup), "host" starts the optimizer side on the
+    host, and the serial step's disk tier loads one family at a time (fewer host buffers than the pipeline's)."""
+    common = {"precision": "bf16-mixed", "device_type": "cpu", "search_largest": False, "chunk_size": 1 << 18}
+    overrides = {"n_layer": 4, "n_embd": 256}
+    roomy = plan_capacity(str(GPT_SMALL), overrides=overrides, device_memory="8GiB", host_memory="8GiB", **common)
+    assert roomy.fits and not roomy.optimizer_on_host
+    host = plan_capacity(
+        str(GPT_SMALL), overrides=overrides, device_memory="8GiB", host_memory="8GiB", optimizer_placement="host", **common
+    )
+    assert host.fits and host.optimizer_on_host and "starts on the host (optimizer_placement='host')" in str(host)
+    tight = {"device_memory": "4MiB", "host_memory": "8GiB"}
+    device = plan_capacity(str(GPT_SMALL), overrides=overrides, optimizer_placement="device", **tight, **common)
+    assert not device.fits and any("optimizer_placement='device'" in r for r in device.reasons)
+    disk = {"device_memory": "64MiB", "host_memory": "12MiB", "disk_memory": "1GiB", "optimizer_placement": "host"}
+    piped = plan_capacity(str(GPT_SMALL), overrides=overrides, optimizer_overlap="pipeline", **disk, **common)
+    serial = plan_capacity(str(GPT_SMALL), overrides=overrides, optimizer_overlap="off", **disk, **common)
+    assert piped.disk_families > 0 and serial.disk_families > 0
+    assert serial.disk_buffer_bytes < piped.disk_buffer_bytes
+    with pytest.raises(ValueError, match="optimizer_overlap"):
+        plan_capacity(str(GPT_SMALL), device_memory="1GiB", host_memory="1GiB", optimizer_overlap="sometimes")
+    assert main([str(GPT_SMALL), "--no-largest", "--device-memory", "1GiB", "--host-memory", "1GiB",
+                 "--optimizer-overlap", "off"]) == 0  # fmt: skip
+    assert "host-side families: serial (optimizer_overlap='off')" in capsys.readouterr().out
