@@ -230,7 +230,8 @@ def _saved(path: Path, tmp: Path) -> dict[str, Any]:
 @pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
 def test_checkpoint_and_resume_across_disk_tier(fmt: str, tmp_path: Path) -> None:
     """Saves read the disk families (the checkpoints equal those of the run without disk tier); a resume with the
-    disk tier from a checkpoint of a run without it, and the other way round, continue bitwise."""
+    disk tier from a checkpoint of a run without it, the other way round, and with every family on disk from a
+    checkpoint of a run with some there, continue bitwise."""
     disk = tmp_path / "disk"
     disk.mkdir()
     peek = Peek()
@@ -251,7 +252,17 @@ def test_checkpoint_and_resume_across_disk_tier(fmt: str, tmp_path: Path) -> Non
     onto_disk = _checkpointed(disk, TIGHT, fmt, tmp_path / "c", ckpt_path=tmp_path / "b" / "epoch=0.ckpt", peek=peek)
     assert peek.on_disk > 0
     off_disk = _checkpointed(None, ROOMY, fmt, tmp_path / "d", ckpt_path=tmp_path / "a" / "epoch=0.ckpt")
-    for resumed, what in ((onto_disk, "resumed onto the disk tier"), (off_disk, "resumed without it")):
+    split = Peek()
+    other_split = _checkpointed(
+        disk, ALL_ON_DISK, fmt, tmp_path / "e", ckpt_path=tmp_path / "a" / "epoch=0.ckpt", peek=split
+    )
+    assert split.on_disk == split.families > peek.on_disk, "every family on disk: a different split"
+    resumed_runs = (
+        (onto_disk, "resumed onto the disk tier"),
+        (off_disk, "resumed without it"),
+        (other_split, "resumed with another split"),
+    )
+    for resumed, what in resumed_runs:
         assert resumed.losses == without.losses[2:], what
         assert_states_equal(resumed.final, without.final, what=f"{what}: weights")
         assert_states_equal(_optimizer_state(resumed), _optimizer_state(without), what=f"{what}: optimizer state")
