@@ -153,10 +153,16 @@ def run_training(args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
     """Both runs (with the disk tier first, so the process's peak RSS is its own) and the model's figures."""
     params = gpt_num_params(GPTConfig(**_sizes(args)))
     state_bytes = params * (12 if args.precision != "32-true" else 8)  # fp32 master (mixed) and two Adam states
-    host_budget = parse_bytes(args.host_budget, name="--host-budget") if args.host_budget else int(args.host_fraction * state_bytes)
+    host_budget = (
+        parse_bytes(args.host_budget, name="--host-budget")
+        if args.host_budget
+        else int(args.host_fraction * state_bytes)
+    )
     chunk_size = max(1024, -(-params // args.families))
     model_bytes = params * (2 + 12 if args.precision != "32-true" else 16)
-    device_budget = parse_bytes(args.device_budget, name="--device-budget") if args.device_budget else 4 * model_bytes + (256 << 20)
+    device_budget = (
+        parse_bytes(args.device_budget, name="--device-budget") if args.device_budget else 4 * model_bytes + (256 << 20)
+    )
     budgets = {"host_budget": host_budget, "device_budget": device_budget, "chunk_size": chunk_size}
     with_disk = _fit(args, **budgets, disk=disk_dir)
     without = _fit(args, **budgets, disk=None) if not args.skip_without else None

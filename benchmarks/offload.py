@@ -254,9 +254,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--chunk-size", type=int, default=2**22, help="elements per chunk")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=38)
     parser.add_argument(
-        "--warmup", type=int, default=16, help="steps not measured (the engine's warm-up, then auto's trials)"
+        "--warmup", type=int, default=24, help="steps not measured (the engine's warm-up, then auto's trials)"
     )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the device's compute")
     parser.add_argument("--clip", type=float, default=1.0, help="the clipping-by-norm value of the clipped runs")
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 18, 16, 8192, 1
+        args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 25, 23, 8192, 1
     torch.set_num_threads(args.threads)
 
     compute = _fit(args, placement="device", overlap="off", clip=False)

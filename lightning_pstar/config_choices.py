@@ -46,9 +46,10 @@ class OptimizerOverlap(_ValueEnum):
     :mod:`lightning_pstar.runtime.pipeline`). Every schedule gives bitwise the serial step's weights."""
 
     AUTO = "auto"
-    """The faster of "pipeline" and "off" for this run, measured: after the warm-up a few optimizer steps of each
-    run, alternating, and the one with the lower median time per step is kept ([Note: choosing the schedule] in
-    :mod:`lightning_pstar.optim.overlap`; the choice is in the memory report). On a GPU that is the pipeline; where
+    """The faster of "pipeline" and "off" for this run, measured: after the warm-up and 8 more steps of "pipeline"
+    (a short run keeps that one schedule), a few optimizer steps of each run, alternating, and the one with the
+    lower median time per step is kept ([Note: choosing the schedule] in :mod:`lightning_pstar.optim.overlap`; the
+    choice is in the memory report). On a GPU that is the pipeline; where
     the device's compute shares the host's cores (a CPU) it may be the serial step."""
     PIPELINE = "pipeline"
     """Gradient copies, host Adam and parameter copies of different families run at once on worker threads, and

@@ -24,21 +24,21 @@ not step yet and returns once every job is finished. Every reader of weights, gr
 (``ChunkManager.finish_steps``).
 
 [Note: choosing the schedule]
-Every schedule of the host-side step gives the same bits, so which one runs is a question of speed alone, and
-the answer depends on the machine. On a GPU the pipeline hides host Adam and the transfers behind the device's
-compute. Where the "device" shares the host's cores and memory bandwidth (the simulated device of a CPU machine,
-or a host whose cores are busy with data loading), the pipeline's workers slow the very compute they overlap, and
-the serial step can be the faster (docs/performance.md has this machine's figures). So ``optimizer_overlap="auto"``
-measures instead of guessing: once the warm-up is over and one settling step has passed, it runs the two
-schedules in pairs of steps, alternating and the pipelined one first, times the second step of each pair from the
-end of one ``optimizer.step()`` to the end of the next (forward, backward and step: a step inside the backward
-changes the backward's time too), and after ``TRIALS`` timed steps of each keeps the schedule with the lower
-median for the rest of the run. Only the second step of a pair is timed because a step pays for the one before it:
-after a serial step the param chunks are on the host (the update ran there) and the next forward fetches them,
-while after a pipelined step they are on the device already. At several ranks the
-medians are max-reduced first, so every rank keeps the same schedule. A step without host-side families (the
-hybrid plan put every family on the device) is not a trial: nothing differs between the schedules there. The
-choice and the medians are in the memory report (``optimizer_schedule``, ``schedule_trial_ms``).
+Every schedule of the host-side step gives the same bits, so which one runs is a question of speed alone, and the
+answer depends on the machine. On a GPU the pipeline hides host Adam and the transfers behind the device's compute.
+Where the "device" shares the host's cores and memory bandwidth (the simulated device of a CPU machine, or a host
+whose cores are busy with data loading), the pipeline's workers slow the very compute they overlap, and the serial
+step can be the faster (docs/performance.md has this machine's figures). So ``optimizer_overlap="auto"`` measures
+instead of guessing: once the warm-up is over and ``SETTLE_STEPS`` more steps have run pipelined (a short run never
+leaves them, so its figures are one schedule's), it runs the two schedules in pairs of steps, alternating and the
+pipelined one first, times the second step of each pair from the end of one ``optimizer.step()`` to the end of the
+next (forward, backward and step: a step inside the backward changes the backward's time too), and after ``TRIALS``
+timed steps of each keeps the schedule with the lower median for the rest of the run. Only the second step of a pair
+is timed because a step pays for the one before it: after a serial step the param chunks are on the host (the update
+ran there) and the next forward fetches them, while after a pipelined step they are on the device already. At
+several ranks the medians are max-reduced first, so every rank keeps the same schedule. A step without host-side
+families (the hybrid plan put every family on the device) is not a trial: nothing differs between the schedules
+there. The choice and the medians are in the memory report (``optimizer_schedule``, ``schedule_trial_ms``).
 """
 
 from __future__ import annotations
@@ -63,13 +63,17 @@ if TYPE_CHECKING:
     from lightning_pstar.optim.optimizer import ChunkedOptimizer
     from lightning_pstar.runtime.manager import ChunkManager
 
-__all__ = ["PIPELINE", "SERIAL", "TRIALS", "ScheduleChooser", "StepOverlap"]
+__all__ = ["PIPELINE", "SERIAL", "SETTLE_STEPS", "TRIALS", "ScheduleChooser", "StepOverlap"]
 
 log = logging.getLogger(__name__)
 
 PIPELINE = "pipeline"
 SERIAL = "serial"
 TRIALS = 3
+SETTLE_STEPS = 8
+"""Optimizer steps after the warm-up that ``optimizer_overlap="auto"`` runs pipelined before it times anything:
+placement and allocators settle, and a short run (a smoke test, a unit test) keeps one schedule throughout, so its
+per-iteration figures stay those of one schedule."""
 """Timed optimizer steps of each schedule that ``optimizer_overlap="auto"`` runs before it keeps one (each after an
 untimed step of the same schedule)."""
 
@@ -87,13 +91,14 @@ class ScheduleChooser:
         agree: Any = None,
         clock: Any = perf_counter,
         trials: int = TRIALS,
+        settle: int = SETTLE_STEPS,
     ) -> None:
         self.mode = mode
         self._agree = agree if agree is not None else (lambda values: values)
         self._clock = clock
         self._trials = trials
         self._last: float | None = None  # the end of the last timed optimizer step
-        self._settled = False  # the step after the warm-up (placement settles) is not timed
+        self._settle = settle  # steps after the warm-up not timed (and pipelined): SETTLE_STEPS
         self._times: dict[str, list[float]] = {PIPELINE: [], SERIAL: []}
         self._trial_steps = 0  # steps run in pairs of one schedule: P P S S P P ...; the second of a pair is timed
         self.chosen: str | None = None
@@ -127,8 +132,8 @@ class ScheduleChooser:
         if not measurable or last is None:
             self._last = now if measurable else None
             return
-        if not self._settled:
-            self._settled = True
+        if self._settle > 0:
+            self._settle -= 1
             return
         if self._trial_steps % 2 == 1:
             self._times[self.current].append(now - last)

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
 from lightning_pstar.config import PStarConfig
 from lightning_pstar.optim.host_step import ParkedParameterError
-from lightning_pstar.optim.overlap import TRIALS
+from lightning_pstar.optim.overlap import SETTLE_STEPS, TRIALS
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.hooks import ModelHooks
@@ -239,10 +239,10 @@ def test_a_gradient_after_the_family_started_its_step_raises() -> None:
 
 def test_auto_keeps_the_faster_schedule_it_timed() -> None:
     """``"auto"`` times both schedules after the warm-up and keeps the faster; the run's bits are the serial step's
-    whichever it keeps, and steps of both schedules ran: after the warm-up, two untimed pipelined steps (the first
-    ends the warm-up's cycle, the second lets placement settle), ``TRIALS`` pairs of each schedule alternating,
-    then the kept one ([Note: choosing the schedule] in optim/overlap.py)."""
-    steps = 1 + 2 + 4 * TRIALS + 1
+    whichever it keeps, and steps of both schedules ran: after the warm-up, untimed pipelined steps (the first
+    ends the warm-up's cycle, then ``SETTLE_STEPS``), ``TRIALS`` pairs of each schedule alternating, then the kept
+    one ([Note: choosing the schedule] in optim/overlap.py)."""
+    steps = 1 + 1 + SETTLE_STEPS + 4 * TRIALS + 1
     runs, reports = [], []
     for overlap in ("off", "pipeline", "auto"):
         peek = Peek()
@@ -261,7 +261,7 @@ def test_auto_keeps_the_faster_schedule_it_timed() -> None:
     assert auto.optimizer_schedule == faster
     families = piped.host_steps_in_backward // (steps - 1)
     assert families > 0 and piped.host_steps_in_backward == families * (steps - 1)
-    pipelined = 2 + 2 * TRIALS + (1 if faster == "pipeline" else 0)
+    pipelined = 1 + SETTLE_STEPS + 2 * TRIALS + (1 if faster == "pipeline" else 0)
     assert auto.host_steps_in_backward == families * pipelined
 
 
@@ -279,7 +279,7 @@ def test_auto_switching_schedules_mid_run_keeps_the_bits(
 ) -> None:
     """While "auto" times both schedules it switches between them every second step (the param chunks move from
     the host back to the device and the other way): the serial step's bits all along."""
-    steps = 1 + 2 + 4 * TRIALS + 1
+    steps = 1 + 1 + SETTLE_STEPS + 4 * TRIALS + 1
     runs = []
     for overlap in ("off", "auto"):
         strategy = PatrickStarStrategy(optimizer_overlap=overlap, **HOST, **options)

@@ -514,7 +514,12 @@ def test_optimizer_placement_and_overlap_as_the_engine_takes_them(capsys: pytest
     roomy = plan_capacity(str(GPT_SMALL), overrides=overrides, device_memory="8GiB", host_memory="8GiB", **common)
     assert roomy.fits and not roomy.optimizer_on_host
     host = plan_capacity(
-        str(GPT_SMALL), overrides=overrides, device_memory="8GiB", host_memory="8GiB", optimizer_placement="host", **common
+        str(GPT_SMALL),
+        overrides=overrides,
+        device_memory="8GiB",
+        host_memory="8GiB",
+        optimizer_placement="host",
+        **common,
     )
     assert host.fits and host.optimizer_on_host and "starts on the host (optimizer_placement='host')" in str(host)
     tight = {"device_memory": "4MiB", "host_memory": "8GiB"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_pstar.config import OptimizerOverlap
-from lightning_pstar.optim.overlap import PIPELINE, SERIAL, ScheduleChooser
+from lightning_pstar.optim.overlap import PIPELINE, SERIAL, SETTLE_STEPS, TRIALS, ScheduleChooser
 
 
 class Clock:
@@ -30,7 +30,7 @@ def _run(chooser: ScheduleChooser, clock: Clock, cost: dict[str, float], steps: 
 @pytest.mark.parametrize(("pipe", "serial", "kept"), [(0.05, 0.08, PIPELINE), (0.09, 0.06, SERIAL)])
 def test_auto_times_both_alternating_then_keeps_the_faster(pipe: float, serial: float, kept: str) -> None:
     clock = Clock()
-    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, trials=3)
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, trials=3, settle=1)
     ran = _run(chooser, clock, {PIPELINE: pipe, SERIAL: serial}, 2 + 12 + 3)
     # the first step only starts the clock, the second settles; then pairs P P S S ..., then the kept one
     assert ran == [PIPELINE] * 2 + [PIPELINE, PIPELINE, SERIAL, SERIAL] * 3 + [kept] * 3
@@ -41,7 +41,7 @@ def test_auto_times_both_alternating_then_keeps_the_faster(pipe: float, serial: 
 def test_a_step_that_is_not_measurable_restarts_the_clock() -> None:
     """Warm-up steps, and steps without host-side families, are not trials, nor is the cycle that follows them."""
     clock = Clock()
-    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, trials=1)
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, trials=1, settle=1)
     clock.now += 10.0
     chooser.step_done(measurable=False)  # the warm-up: a long step, never timed
     for _ in range(2):
@@ -72,7 +72,7 @@ def test_ranks_agree_on_the_slowest_rank_s_medians() -> None:
         return [values[0] + 1.0, values[1]]  # another rank's pipeline took a second longer
 
     clock = Clock()
-    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, agree=agree, trials=2)
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock, agree=agree, trials=2, settle=1)
     _run(chooser, clock, {PIPELINE: 0.1, SERIAL: 0.2}, 2 + 8)
     assert seen == [[pytest.approx(0.1), pytest.approx(0.2)]]
     assert chooser.chosen == SERIAL
@@ -87,3 +87,11 @@ def test_fixed_modes_never_time(mode: OptimizerOverlap, schedule: str) -> None:
     chooser = ScheduleChooser(mode, clock=clock)
     assert _run(chooser, clock, {PIPELINE: 1.0, SERIAL: 2.0}, 12) == [schedule] * 12
     assert chooser.trial_ms == {} and chooser.chosen == schedule
+
+
+def test_the_default_settles_before_timing() -> None:
+    """``SETTLE_STEPS`` pipelined steps after the one that starts the clock, then the pairs."""
+    clock = Clock()
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, clock=clock)
+    ran = _run(chooser, clock, {PIPELINE: 0.2, SERIAL: 0.1}, 1 + SETTLE_STEPS + 4 * TRIALS + 1)
+    assert ran == [PIPELINE] * (1 + SETTLE_STEPS) + [PIPELINE, PIPELINE, SERIAL, SERIAL] * TRIALS + [SERIAL]

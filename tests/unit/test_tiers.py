@@ -80,7 +80,10 @@ def test_the_policies_make_the_same_choices_as_the_pure_functions() -> None:
             kw = {"model_data_bytes": model_data, "device_budget": budget}
             assert (static is Tier.HOST) == optimizer_starts_on_host("static", static_fraction=0.5, **kw)  # type: ignore[arg-type]
             assert (auto is Tier.HOST) == optimizer_starts_on_host(
-                "auto", static_fraction=1.0, warmup_fraction=0.25, **kw  # type: ignore[arg-type]
+                "auto",
+                static_fraction=1.0,
+                warmup_fraction=0.25,
+                **kw,  # type: ignore[arg-type]
             )
         for min_bytes in (0, 9_000):
             assert StaticPlacement(0.5).chunk_room(budget, min_bytes) == setup_chunk_room(
