@@ -48,7 +48,7 @@ import logging
 import statistics
 from collections.abc import Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -60,8 +60,22 @@ from lightning_pstar.runtime.parked import park, unpark
 from lightning_pstar.runtime.state import Tier
 
 if TYPE_CHECKING:
-    from lightning_pstar.optim.optimizer import ChunkedOptimizer
     from lightning_pstar.runtime.manager import ChunkManager
+    from lightning_pstar.runtime.pipeline import HostJob
+
+
+class _Stepper(Protocol):
+    """What :class:`StepOverlap` reads of the optimizer it serves (``ChunkedOptimizer``; a protocol, so that this
+    module does not import the optimizer that imports it)."""
+
+    param_groups: list[dict[str, Any]]
+    gradient_policy: Any
+    _families: list[ChunkFamily]
+    _own_ids: set[int]
+    _book: Any
+
+    def _host_job(self, family: ChunkFamily, coef: float) -> HostJob | None: ...
+
 
 __all__ = ["PIPELINE", "SERIAL", "SETTLE_STEPS", "TRIALS", "ScheduleChooser", "StepOverlap"]
 
@@ -157,7 +171,7 @@ class StepOverlap:
     """The parts of :class:`~lightning_pstar.optim.optimizer.ChunkedOptimizer`'s step that overlap something:
     the schedule chooser, the step inside the backward and the tail left in flight (``"next_forward"``)."""
 
-    def __init__(self, optimizer: ChunkedOptimizer, manager: ChunkManager) -> None:
+    def __init__(self, optimizer: _Stepper, manager: ChunkManager) -> None:
         self._optimizer = optimizer
         self._manager = manager
         mode = manager.config.placement.optimizer_overlap

@@ -409,7 +409,7 @@ def _plan_module(module: nn.Module, description: str, settings: _Settings) -> Ca
         static_fraction=settings.static_fraction,
         warmup_fraction=settings.warmup_fraction,
     )
-    if settings.optimizer_placement != "auto":  # the engine's ChunkManager._optimizer_start_tier
+    if settings.optimizer_placement != "auto":  # the engine's runtime/budgets.py optimizer_start_tier
         on_host = settings.optimizer_placement == "host"
     room = setup_chunk_room(
         settings.placement,

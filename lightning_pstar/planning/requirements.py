@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 from torch import nn
 
 from lightning_pstar.planning.layout import Fit, Layout, ParamSpec, group_of, plan_layout, search_chunk_size
 from lightning_pstar.planning.tiers import (
+    BytesPerElement,
     MemoryBudgetError,
     TierNeed,
     check_budgets,
@@ -42,46 +42,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class BytesPerElement:
-    """Bytes the engine allocates per chunk element of each chunk kind of a family."""
-
-    param: int
-    """Param chunk in the compute dtype (every family, frozen ones too)."""
-    master: int
-    """fp32 master chunk (mixed precision, trainable families)."""
-    grad: int
-    """fp32 grad chunk: 32-true always, mixed precision only when accumulating gradients."""
-    optimizer: int
-    """Optimizer-state chunks (Adam: exp_avg + exp_avg_sq; SGD with momentum: one buffer)."""
-    frozen_master: int = 0
-    """fp32 copy of a frozen family's weights on the host (mixed precision, ``frozen_master=True``)."""
-
-    @property
-    def trainable(self) -> int:
-        return self.param + self.master + self.grad + self.optimizer
-
-    @property
-    def frozen(self) -> int:
-        return self.param + self.frozen_master
-
-    @classmethod
-    def of_run(
-        cls, *, compute_itemsize: int, optimizer: int, accumulates: bool = False, frozen_master: bool = True
-    ) -> BytesPerElement:
-        """What ``ChunkManager.materialise`` plus ``add_optimizer_chunks`` allocate per element: mixed
-        precision (a compute itemsize below 4) adds an fp32 master; 32-true always has an fp32 grad chunk,
-        mixed precision only when it sums micro-batch gradients (``accumulates``)."""
-        mixed = compute_itemsize < 4
-        return cls(
-            param=compute_itemsize,
-            master=4 if mixed else 0,
-            grad=4 if (not mixed or accumulates) else 0,
-            optimizer=optimizer,
-            frozen_master=4 if mixed and frozen_master else 0,
-        )
 
 
 def host_embeddings(module: nn.Module, *, for_training: bool = True) -> dict[str, nn.Parameter]:

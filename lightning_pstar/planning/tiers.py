@@ -30,15 +30,12 @@ and backward, before its optimizer step runs (``runtime/warmup.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from lightning_pstar.planning.layout import Layout, owner_of
 from lightning_pstar.report import format_bytes
 
-if TYPE_CHECKING:
-    from lightning_pstar.planning.requirements import BytesPerElement
-
 __all__ = [
+    "BytesPerElement",
     "MemoryBudgetError",
     "TierNeed",
     "block_bytes",
@@ -48,6 +45,46 @@ __all__ = [
     "step_temporary_bytes",
     "tier_need",
 ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BytesPerElement:
+    """Bytes the engine allocates per chunk element of each chunk kind of a family."""
+
+    param: int
+    """Param chunk in the compute dtype (every family, frozen ones too)."""
+    master: int
+    """fp32 master chunk (mixed precision, trainable families)."""
+    grad: int
+    """fp32 grad chunk: 32-true always, mixed precision only when accumulating gradients."""
+    optimizer: int
+    """Optimizer-state chunks (Adam: exp_avg + exp_avg_sq; SGD with momentum: one buffer)."""
+    frozen_master: int = 0
+    """fp32 copy of a frozen family's weights on the host (mixed precision, ``frozen_master=True``)."""
+
+    @property
+    def trainable(self) -> int:
+        return self.param + self.master + self.grad + self.optimizer
+
+    @property
+    def frozen(self) -> int:
+        return self.param + self.frozen_master
+
+    @classmethod
+    def of_run(
+        cls, *, compute_itemsize: int, optimizer: int, accumulates: bool = False, frozen_master: bool = True
+    ) -> BytesPerElement:
+        """What ``ChunkManager.materialise`` plus ``add_optimizer_chunks`` allocate per element: mixed
+        precision (a compute itemsize below 4) adds an fp32 master; 32-true always has an fp32 grad chunk,
+        mixed precision only when it sums micro-batch gradients (``accumulates``)."""
+        mixed = compute_itemsize < 4
+        return cls(
+            param=compute_itemsize,
+            master=4 if mixed else 0,
+            grad=4 if (not mixed or accumulates) else 0,
+            optimizer=optimizer,
+            frozen_master=4 if mixed and frozen_master else 0,
+        )
 
 
 class MemoryBudgetError(ValueError):

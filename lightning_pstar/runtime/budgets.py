@@ -15,13 +15,17 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lightning_pstar.config import PStarConfig
+from lightning_pstar.config import OptimizerPlacement, PStarConfig
 from lightning_pstar.planning.layout import Layout
 from lightning_pstar.planning.requirements import BytesPerElement, chunk_layout, host_embedding_bytes
 from lightning_pstar.planning.tiers import MemoryBudgetError, TierNeed, check_budgets, host_breakdown, tier_need
 from lightning_pstar.report import format_bytes
+from lightning_pstar.runtime.placement import PlacementPolicy
+from lightning_pstar.runtime.state import Tier
 
 __all__ = [
+    "check_hand_back_fits",
+    "optimizer_start_tier",
     "UnboundHostLimitWarning",
     "check_host_after_warmup",
     "check_setup_budgets",
@@ -182,3 +186,43 @@ def check_host_after_warmup(
         f" were known), but host_memory_limit is {format_bytes(host_budget, exact=True)}. The optimizer step did"
         " not run. HINT: raise host_memory_limit or device_memory_limit, or lower the batch size."
     )
+
+
+def optimizer_start_tier(
+    config: PStarConfig, policy: PlacementPolicy, *, model_data: int, device_budget: int | None
+) -> Tier:
+    """Where optimizer-side chunks start: the policy's choice under ``placement.optimizer="auto"``, else the tier
+    the user named ("device" is refused here, before anything is allocated, where ``model_data``, this rank's
+    bytes of every family, cannot fit the device budget)."""
+    choice = config.placement.optimizer
+    if choice is OptimizerPlacement.HOST:
+        return Tier.HOST
+    if choice is OptimizerPlacement.DEVICE:
+        if device_budget is not None and model_data > device_budget:
+            raise MemoryBudgetError(
+                f"optimizer_placement='device' needs all model data of this rank on the device:"
+                f" {format_bytes(model_data, exact=True)} (params, fp32 masters/grads and optimizer states),"
+                f" but device_memory_limit is {format_bytes(device_budget, exact=True)}, before any"
+                " activation. HINT: use optimizer_placement='auto' (the families that fit run on the device)"
+                " or 'host', raise device_memory_limit, or train on more ranks."
+            )
+        return Tier.DEVICE
+    return policy.optimizer_tier(model_data_bytes=model_data, device_budget=device_budget)
+
+
+def check_hand_back_fits(config: PStarConfig, *, payload_elements: int, optimizer_bytes: int) -> None:
+    """With families on disk, ``hand_back_weights=True`` would copy every fp32 weight and optimizer state
+    (``optimizer_bytes`` per element) into host memory at the end of the run (the user's module and optimizer hold
+    ordinary tensors): refuse that at setup where it exceeds the machine's RAM, instead of failing after training."""
+    if not config.hand_back_weights:
+        return
+    need = payload_elements * (4 + optimizer_bytes)
+    ram = host_ram_bytes()
+    if need > ram:
+        raise MemoryBudgetError(
+            f"hand_back_weights=True would copy the trained fp32 weights and optimizer states into host memory at"
+            f" the end of the run: {format_bytes(need)}, more than this machine's RAM ({format_bytes(ram)}); the"
+            " disk tier holds them during the run. HINT: pass hand_back_weights=False and take the weights"
+            " from a checkpoint (ModelCheckpoint or trainer.save_checkpoint read the disk tier one family at a"
+            " time)."
+        )

@@ -30,13 +30,14 @@ from lightning_pstar.planning.requirements import (
     min_device_bytes,
     tier_need,
 )
-from lightning_pstar.report import MemoryReport, format_bytes
+from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.budgets import (
+    check_hand_back_fits,
     check_host_after_warmup,
     check_setup_budgets,
     device_budget_of,
     host_budget_of,
-    host_ram_bytes,
+    optimizer_start_tier,
     plan_layout,
     warn_unbound_host_limit,
 )
@@ -129,7 +130,7 @@ class ChunkManager:
         self.residency.host_scratch_bytes = self.setup_need.scratch + self.setup_need.disk_buffers
         if self._disk_plan is not None and self._disk_plan.family_ids:  # [Note: disk families] in disk_tier.py
             self.residency.disk = open_disk_tier(self._disk_plan, config.memory, mixed=self.mixed, device=device)
-        self.residency.optimizer_tier = self._optimizer_start_tier(policy, device_budget)
+        self.residency.optimizer_tier = self._optimizer_start
         self.residency.hybrid_optimizer = config.placement.optimizer is OptimizerPlacement.AUTO
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
         # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
@@ -182,7 +183,9 @@ class ChunkManager:
                 static_chunk_fraction=config.placement.static_chunk_fraction,
                 warmup_chunk_fraction=config.placement.warmup_chunk_fraction,
             )
-        start = self._optimizer_start_tier(policy, device_budget)
+        start = self._optimizer_start = optimizer_start_tier(
+            config, policy, model_data=self._model_data_bytes(), device_budget=device_budget
+        )
         warn_unbound_host_limit(config, device)
         self._disk_plan: DiskPlan | None = None
         disk_split = self._disk_split if config.memory.disk_path is not None and start is Tier.HOST else None
@@ -202,27 +205,14 @@ class ChunkManager:
         )
         if self._disk_plan is not None and self._disk_plan.family_ids:  # refused before anything is allocated
             check_disk_path(config.memory.disk_path, self._disk_plan.file_bytes, config.memory.disk_limit_bytes)
-            self._check_hand_back_fits()
+            check_hand_back_fits(
+                config,
+                payload_elements=self.layout.payload_elements,
+                optimizer_bytes=self.bytes_per_element().optimizer,
+            )
         elif config.memory.disk_path is not None:
             log.info("PatrickStar: disk_path is set, but the host budget holds the optimizer side: no disk tier.")
         return device_budget, host_budget, policy
-
-    def _check_hand_back_fits(self) -> None:
-        """With families on disk, ``hand_back_weights=True`` would copy every fp32 weight and optimizer state into
-        host memory at the end of the run (the user's module and optimizer hold ordinary tensors): refuse that at
-        setup where it exceeds the machine's RAM, instead of failing after the training."""
-        if not self.config.hand_back_weights:
-            return
-        need = self.layout.payload_elements * (4 + self.bytes_per_element().optimizer)
-        ram = host_ram_bytes()
-        if need > ram:
-            raise MemoryBudgetError(
-                f"hand_back_weights=True would copy the trained fp32 weights and optimizer states into host memory at"
-                f" the end of the run: {format_bytes(need)}, more than this machine's RAM ({format_bytes(ram)}); the"
-                " disk tier holds them during the run. HINT: pass hand_back_weights=False and take the weights"
-                " from a checkpoint (ModelCheckpoint or trainer.save_checkpoint read the disk tier one family at a"
-                " time)."
-            )
 
     def _disk_split(self, excess: int) -> tuple[int, int]:
         """The disk tier's share of the host need (``check_setup_budgets``): :func:`plan_disk_tier`."""
@@ -265,25 +255,6 @@ class ChunkManager:
         """Remove the disk tier's files and run directory (the run ends, or its setup failed)."""
         if self.residency.disk is not None:
             self.residency.disk.close()
-
-    def _optimizer_start_tier(self, policy: PlacementPolicy, device_budget: int | None) -> Tier:
-        """Where optimizer-side chunks start: the policy's choice under ``placement.optimizer="auto"``, else the
-        tier the user named ("device" is refused here, before anything is allocated, where it cannot fit)."""
-        choice = self.config.placement.optimizer
-        model_data = self._model_data_bytes()
-        if choice is OptimizerPlacement.HOST:
-            return Tier.HOST
-        if choice is OptimizerPlacement.DEVICE:
-            if device_budget is not None and model_data > device_budget:
-                raise MemoryBudgetError(
-                    f"optimizer_placement='device' needs all model data of this rank on the device:"
-                    f" {format_bytes(model_data, exact=True)} (params, fp32 masters/grads and optimizer states),"
-                    f" but device_memory_limit is {format_bytes(device_budget, exact=True)}, before any"
-                    " activation. HINT: use optimizer_placement='auto' (the families that fit run on the device)"
-                    " or 'host', raise device_memory_limit, or train on more ranks."
-                )
-            return Tier.DEVICE
-        return policy.optimizer_tier(model_data_bytes=model_data, device_budget=device_budget)
 
     def bytes_per_element(self, optimizer: int = _ADAM_STATE_BYTES) -> BytesPerElement:
         return BytesPerElement.of_run(

@@ -8,19 +8,18 @@ evicts them last) and the counters of the memory report. See [Note: fetch and pr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.chunk import ChunkKind, TransferStats
+from lightning_pstar.runtime.family import ChunkFamily
+from lightning_pstar.runtime.inflight import EvictionsInFlight
 from lightning_pstar.runtime.lookahead import LookaheadState, plan_prefetch
-from lightning_pstar.runtime.placement import AutoPlacement
+from lightning_pstar.runtime.placement import AutoPlacement, PlacementPolicy
 from lightning_pstar.runtime.state import ChunkState, Tier
 from lightning_pstar.runtime.tracer import MomentKind, Trace
-
-if TYPE_CHECKING:
-    from lightning_pstar.runtime.residency import Residency
 
 __all__ = ["PREFETCH_MODES", "Prefetcher"]
 
@@ -31,10 +30,31 @@ rule before it, kept to compare against); ``off``: every fetch on demand."""
 _PARAM, _DEVICE, _HOST = ChunkKind.PARAM, Tier.DEVICE, Tier.HOST
 
 
+class _Mover(Protocol):
+    """What the prefetcher reads and calls of its residency (``runtime/residency.py``'s ``Residency``; a protocol,
+    so that this module does not import the residency that imports it)."""
+
+    families: list[ChunkFamily]
+    device_budget: int | None
+    policy: PlacementPolicy
+    min_device_bytes: int
+    owns: Callable[[ChunkFamily], bool]
+    stats: TransferStats
+    pinned: set[int]
+    stepping: set[int]
+    evicting: EvictionsInFlight
+
+    def device_used(self) -> int: ...
+
+    def chunk_room(self) -> int | None: ...
+
+    def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None: ...
+
+
 class Prefetcher:
     """Prefetches for one :class:`~lightning_pstar.runtime.residency.Residency` (it performs every move)."""
 
-    def __init__(self, residency: Residency) -> None:
+    def __init__(self, residency: _Mover) -> None:
         self.residency = residency
         self._mode = "lookahead"
         self.ahead: dict[int, int] = {}  # prefetched family -> the trace moment it is due (until it is used)

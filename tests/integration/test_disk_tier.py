@@ -188,7 +188,7 @@ def test_hand_back_larger_than_ram_refused_at_setup(tmp_path: Path, monkeypatch:
     """With families on disk, the end-of-run hand-back would bring every fp32 weight and optimizer state into host
     memory: where that exceeds the machine's RAM (here a machine of 64 KiB) the run is refused at setup, naming
     hand_back_weights=False; with it, the same run trains."""
-    monkeypatch.setattr("lightning_pstar.runtime.manager.host_ram_bytes", lambda: 64 << 10)
+    monkeypatch.setattr("lightning_pstar.runtime.budgets.host_ram_bytes", lambda: 64 << 10)
     with pytest.raises(MemoryBudgetError, match="hand_back_weights=False"):
         _fit(tmp_path, TIGHT, "32-true")
     assert os.listdir(tmp_path) == [], "refused before the run directory was created"
