@@ -198,14 +198,15 @@ class StepOverlap:
     def step_ended(self) -> None:
         """``optimizer.step()`` is over (applied or skipped): time it for the chooser, forget the snapshot."""
         self._groups = None
-        manager = self._manager
-        measurable = manager.tracer.warmed_up and not manager.tracer.recording
-        if measurable:
-            residency = manager.residency
-            off_device = (Tier.HOST, Tier.DISK)
-            measurable = any(residency.optimizer_tier_of(f) in off_device for f in self._optimizer._families)
-        self.schedule.step_done(measurable=measurable)
-        manager.pipeline.schedule, manager.pipeline.trial_ms = self.schedule.chosen, self.schedule.trial_ms
+        manager, schedule = self._manager, self.schedule
+        if schedule.chosen is None:  # "auto" still timing: nothing per step once a schedule is kept
+            measurable = manager.tracer.warmed_up and not manager.tracer.recording
+            if measurable:
+                residency = manager.residency
+                off_device = (Tier.HOST, Tier.DISK)
+                measurable = any(residency.optimizer_tier_of(f) in off_device for f in self._optimizer._families)
+            schedule.step_done(measurable=measurable)
+        manager.pipeline.schedule, manager.pipeline.trial_ms = schedule.chosen, schedule.trial_ms
 
     # ---- the step inside the backward ------------------------------------------------------------------------
     def arm_in_backward(self) -> bool:

@@ -98,15 +98,12 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_memory_report_all_after_fit(tmp_path: Path) -> None:
-    strategy = PatrickStarStrategy()
-    with pytest.raises(RuntimeError, match="not set up yet"):
-        strategy.memory_report_all()
+def _fit_tiny(strategy: PatrickStarStrategy, tmp_path: Path, *, steps: int) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        max_steps=2,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -114,6 +111,13 @@ def test_memory_report_all_after_fit(tmp_path: Path) -> None:
         default_root_dir=tmp_path,
     )
     trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2))
+
+
+def test_memory_report_all_after_fit(tmp_path: Path) -> None:
+    strategy = PatrickStarStrategy()
+    with pytest.raises(RuntimeError, match="not set up yet"):
+        strategy.memory_report_all()
+    _fit_tiny(strategy, tmp_path, steps=2)
     (report,) = strategy.memory_report_all()  # the reports gathered at teardown, no engine needed
     assert report == strategy.memory_report()
     assert report.num_params == 8 * 8 + 8 and report.rank == 0 and report.world_size == 1
@@ -130,18 +134,7 @@ def test_chunk_line_counts_the_larger_chunks(tmp_path: Path) -> None:
     """Issue 30: a parameter larger than ``chunk_size`` gets a chunk of its own, and the line says so."""
     assert make_report().__str__().count("2 x 600 elements") == 1
     strategy = PatrickStarStrategy(chunk_size=16)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2))
+    _fit_tiny(strategy, tmp_path, steps=1)
     report = strategy.memory_report()  # Linear(8, 8): the 64-element weight > 16, the 8-element bias fits
     assert (report.num_chunks, report.chunk_size, report.larger_chunks) == (2, 16, 1)
     assert report.largest_chunk >= 64
