@@ -23,6 +23,29 @@ not step yet and returns once every job is finished. Every reader of weights, gr
 (zero_grad, state dicts, evaluation, a load, the report, teardown) finishes the jobs in flight first
 (``ChunkManager.finish_steps``).
 
+[Note: copies back inside the backward]
+Holding every copy back until the backward ends leaves them all for its end: the step's tail is then every
+family's H2D copy in a row (on this CPU, 8 copies of 2 ms after the last Adam), although most families are done
+with long before. A family's copy back may run inside the backward (``StepPipeline.submit(back_now=True)``) once
+nothing in this backward can read its param chunk any more, which the engine proves at the job's submission:
+
+- every tensor autograd saved from a trainable parameter of the family (the parameter, a view of it, a weight used
+  outside its module) has been dropped again: ``ChunkFamily.saved_params == dropped_params``, counted by the
+  pack hook and by the saved objects' ``__del__`` (``runtime/hooks.py``). Autograd drops a node's saved tensors as
+  soon as the node has run (no ``retain_graph``), and the node that reads a weight for its input's gradient is the
+  node that computes the weight's gradient, so when the family's last gradient arrives the count is usually back
+  to zero; a node that saved the weight but has not run (a use whose gradient flows elsewhere, a retained graph)
+  keeps it above zero, and the copy back waits for the backward's end as before;
+- no module computes again inside a backward (activation checkpointing recomputes its forward there): the first
+  forward inside a backward turns this off for the run (``ChunkManager.recomputes``), and the warm-up's backward
+  runs before any step inside one;
+- one rank (several ranks exchange chunks during the backward).
+
+A frozen parameter of the family may still be read (LoRA: a frozen weight of an earlier layer shares the chunk):
+the copy back writes it with the bytes it already has. A module that needs a trainable parameter of such a family
+later in the same backward (a pattern the proof above does not foresee) raises, naming the parameter, instead of
+reading a weight that changed under it (``ChunkManager.pre_backward``, ``pre_forward``).
+
 [Note: choosing the schedule]
 Every schedule of the host-side step gives the same bits, so which one runs is a question of speed alone, and the
 answer depends on the machine. On a GPU the pipeline hides host Adam and the transfers behind the device's compute.
@@ -239,8 +262,12 @@ class StepOverlap:
         job = optimizer._host_job(family, 1.0)
         if job is None:
             return False
-        self._manager.pipeline.submit(job)
-        self._manager.pipeline.times.in_backward += 1
+        manager = self._manager
+        back_now = (  # [Note: copies back inside the backward]
+            family.saved_params == family.dropped_params and not manager.recomputes and not manager.sharding.distributed
+        )
+        manager.pipeline.submit(job, back_now=back_now)
+        manager.pipeline.times.in_backward += 1
         return True
 
     # ---- the tail left in flight ("next_forward") ------------------------------------------------------------

@@ -118,6 +118,11 @@ class ChunkFamily:
     slots: list[Slot]
     chunks: dict[ChunkKind, Chunk] = field(default_factory=dict)
     records: list[ParamRecord] = field(default_factory=list)
+    # trainable parameters (or views of them) autograd saved for a backward, and how many of those it has dropped:
+    # while the two differ a backward may still read the param chunk ([Note: copies back inside the backward] in
+    # optim/overlap.py). Two counters, each written by one thread (the forward's; autograd's), so none is lost.
+    saved_params: int = 0
+    dropped_params: int = 0
 
     @property
     def param_chunk(self) -> Chunk:

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from lightning_pstar.runtime.chunk import ChunkKind
-from lightning_pstar.runtime.family import ParamRecord
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.param_guard import ParameterGuard
 from lightning_pstar.runtime.state import TensorState
@@ -124,6 +124,10 @@ class _SavedWeight:
     weights_version: int  # the manager's weights_version when saved (the engine's writes: steps, loads)
     version: int  # the parameter's own version counter when saved (the user's in-place writes)
 
+    def __del__(self) -> None:  # autograd dropped it: one saved read less of the family's param chunk
+        if self.record.trainable:
+            self.record.family.dropped_params += 1
+
 
 @dataclass(frozen=True, slots=True)
 class _Saved:
@@ -134,6 +138,17 @@ class _Saved:
     # kept itself, as autograd keeps it: it reads the tier its chunk is on when unpacked.
     version: int  # its version counter when saved: autograd's in-place check, which hooks turn off
     token: Any  # the warm-up's accounting of non-model memory (None when not counted)
+
+
+@dataclass(frozen=True, slots=True)
+class _SavedParam(_Saved):
+    """A trainable parameter (or a view of one) saved while its module computes, counted on its family while
+    autograd keeps it ([Note: copies back inside the backward] in ``optim/overlap.py``)."""
+
+    family: ChunkFamily
+
+    def __del__(self) -> None:
+        self.family.dropped_params += 1
 
 
 def _modified_in_place(tensor: torch.Tensor, saved: int, now: int) -> RuntimeError:
@@ -159,6 +174,7 @@ class ModelHooks:
         self._stats_stash: dict[nn.Module, dict[str, torch.Tensor]] = {}  # BatchNorm parameters during its forward
         self._unpack_node: Any = None  # the autograd node unpacking saved weights now (held until the next)
         self._unpack_pins: set[int] = set()  # families it read from: not evicted while it runs
+        self._aliases: dict[int, ChunkFamily] | None = None  # param chunks' device storages (built at the first pack)
         self._leaf_handles: list[Any] = []  # hooks on leaf inputs of modules (removed at the next training forward)
         self._guard: ParameterGuard | None = None
 
@@ -258,10 +274,33 @@ class ModelHooks:
         if record is not None and record.param is owner:
             packed = self._pack_weight(record, tensor)
             if packed is not None:
+                if record.trainable:
+                    record.family.saved_params += 1  # dropped again in _SavedWeight.__del__
                 return packed
+            family = record.family if record.trainable else None
+        else:  # not a parameter or a view of one, but it may share a param chunk's bytes (``weight.detach()``)
+            family = self._alias_of(tensor)
         tracer = self.manager.tracer
         saved = tensor.detach() if tensor.requires_grad and not tensor.is_leaf else tensor
-        return _Saved(saved, tensor._version, tracer.count(saved) if tracer.counting else None)
+        token = tracer.count(saved) if tracer.counting else None
+        if family is not None:
+            family.saved_params += 1  # dropped again in _SavedParam.__del__
+            return _SavedParam(saved, tensor._version, token, family)
+        return _Saved(saved, tensor._version, token)
+
+    def _alias_of(self, tensor: torch.Tensor) -> ChunkFamily | None:
+        """The trainable family whose param chunk's device storage ``tensor`` shares, if any (a chunk keeps one
+        storage object per tier for its life: [Note: storage identity] in ``chunk.py``)."""
+        aliases = self._aliases
+        if aliases is None:
+            aliases = self._aliases = {
+                f.param_chunk.device_buffer.untyped_storage()._cdata: f for f in self.manager.families if f.trainable
+            }
+        try:
+            key = tensor.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own (a subclass, sparse)
+            return None
+        return aliases.get(key)
 
     def _pack_weight(self, record: ParamRecord, tensor: torch.Tensor) -> _SavedWeight | None:
         manager = self.manager

@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 
 _ADAM_STATE_BYTES = 8  # what setup assumes before the optimizer is known: the most a supported one needs
 _COMPUTE, _FORWARD, _BACKWARD = TensorState.COMPUTE, MomentKind.FORWARD, MomentKind.BACKWARD  # per module: no lookup
+_graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outside one)
 _HOLD, _HOLD_AFTER_FWD = TensorState.HOLD, TensorState.HOLD_AFTER_FWD
 _PHASE_TRAINING, _PHASE_BACKWARD = Phase.TRAINING, Phase.BACKWARD
 
@@ -136,6 +137,7 @@ class ChunkManager:
         # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
         self.pipeline = StepPipeline()
         self.tailing = False  # an optimizer.step() returned with steps in flight (optimizer_overlap="next_forward")
+        self.recomputes = False  # a module's forward ran inside a backward ([Note: copies back inside the backward])
         # mixed_precision.nonfinite: a backward since the last step ran from a non-finite loss; steps not applied
         self.nonfinite_loss = False
         self.nonfinite_skipped_steps = 0
@@ -393,6 +395,9 @@ class ChunkManager:
         """Before module ``index``'s forward: its chunks resident, its slots ``COMPUTE``."""
         # a forward without autograd (an evaluation inside a training step) is not a moment of the iteration
         moment = (_FORWARD, index) if torch.is_grad_enabled() else None
+        if _graph_task() >= 0:  # recomputed inside a backward (activation checkpointing)
+            self.recomputes = True
+            self._refuse_early_read(records)
         self.access(records, _COMPUTE, moment, module=index)
         if self.mixed:  # an in-place write to a weight during forward must reach its fp32 master
             self._forward_versions[index] = [r.param._version for r in records]
@@ -426,7 +431,21 @@ class ChunkManager:
 
     def pre_backward(self, records: Sequence[ParamRecord], index: int) -> None:
         """Before module ``index``'s backward: its chunks resident again (same storage)."""
+        if self.pipeline.early:
+            self._refuse_early_read(records)
         self.access(records, _COMPUTE, (_BACKWARD, index))
+
+    def _refuse_early_read(self, records: Sequence[ParamRecord]) -> None:
+        """A module needs a trainable parameter whose family already copied its new weights back inside this
+        backward ([Note: copies back inside the backward] in optim/overlap.py): raise rather than compute with them."""
+        early = self.pipeline.early
+        for record in records:
+            if record.trainable and record.family.family_id in early:
+                raise RuntimeError(
+                    f"PatrickStar stepped parameter '{record.names[0]}' inside the backward once its gradient was"
+                    " final and nothing autograd saved still read it, but its module runs again in the same"
+                    " backward. HINT: set optimizer_overlap='off' (or 'next_forward'), and please report the model."
+                )
 
     def access(
         self,

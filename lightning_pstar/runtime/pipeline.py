@@ -29,7 +29,10 @@ buffer is a current host copy (a later eviction copies nothing: [Note: clean evi
 The parameter copies back (H2D) are held until the backward is over (:meth:`StepPipeline.open_copies_back`):
 a family may step while the backward goes on (``optimizer_overlap="pipeline"``, [Note: stepping inside the
 backward] in ``optim/overlap.py``), and the device bytes of its param chunk must not change while autograd could
-still read them. Gradient copies and host Adam do not write the device.
+still read them. Gradient copies and host Adam do not write the device. A job submitted with ``back_now`` copies
+back as soon as its Adam stage is done, inside the backward, where the caller proved that nothing can read those
+bytes any more ([Note: copies back inside the backward] in ``optim/overlap.py``); its family is in
+:attr:`StepPipeline.early` until the job is finished.
 
 On CUDA the copies run on side streams: the D2H stage waits for an event the compute stream recorded when the job
 was submitted (after the kernels that wrote the gradients), copies into the pinned host buffer and waits for its
@@ -87,13 +90,14 @@ class StageTimes:
     wait: float = 0.0  # the calling thread, waiting for jobs to finish
     jobs: int = 0
     in_backward: int = 0  # jobs started by a backward ([Note: stepping inside the backward] in optim/overlap.py)
+    back_in_backward: int = 0  # ... whose copy back could run inside it ([Note: copies back inside the backward])
 
     def seconds(self) -> dict[str, float]:
         return {"d2h": self.d2h, "adam": self.adam, "h2d": self.h2d, "wait": self.wait}
 
     def reset(self) -> None:
         self.d2h = self.adam = self.h2d = self.wait = 0.0
-        self.jobs = self.in_backward = 0
+        self.jobs = self.in_backward = self.back_in_backward = 0
 
 
 @dataclass(kw_only=True)
@@ -128,6 +132,7 @@ class StepPipeline:
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.times = StageTimes()
         self._lanes = threading.BoundedSemaphore(host_lanes())  # [Note: host lanes]
+        self.early: set[int] = set()  # families whose copy back may run inside the backward (``submit(back_now)``)
         # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
         # in optim/overlap.py): "pipeline", "serial", or None while "auto" still times both
         self.schedule: str | None = None
@@ -179,12 +184,16 @@ class StepPipeline:
             for job in held:
                 self._workers()[2].submit(self._run_h2d, job)
 
-    def submit(self, job: HostJob) -> None:
-        """Start ``job``'s stages on the workers; it is finished by :meth:`wait` or :meth:`drain`."""
+    def submit(self, job: HostJob, *, back_now: bool = False) -> None:
+        """Start ``job``'s stages on the workers; it is finished by :meth:`wait` or :meth:`drain`. ``back_now``: its
+        copy back runs when its Adam stage is done even while copies back are held (the caller proved it safe)."""
         if job.family_id in self._jobs:
             raise RuntimeError(f"PatrickStar internal error: family {job.family_id} is already stepping")
         d2h = self._workers()[0]
-        job._back_open = self._copies_back_open
+        if back_now and not self._copies_back_open:
+            self.early.add(job.family_id)
+            self.times.back_in_backward += 1
+        job._back_open = self._copies_back_open or back_now
         job._done = Future()
         d2h.submit(self._run_d2h, job)  # each stage hands the job to the next: one hand-off on this thread
         self._jobs[job.family_id] = job
@@ -259,6 +268,7 @@ class StepPipeline:
         finally:
             self.times.wait += perf_counter() - start
             del self._jobs[job.family_id]
+            self.early.discard(job.family_id)
         for first in job.before:
             first()
         job.finish(not job.skip_back)

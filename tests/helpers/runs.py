@@ -246,8 +246,8 @@ def make_trainer(
         defaults["plugins"] = list(plugins)
     else:
         defaults["precision"] = precision
+    defaults.setdefault("accelerator", "cpu")
     return L.Trainer(
-        accelerator="cpu",
         devices=1,
         strategy=strategy,
         max_steps=max_steps,

@@ -29,8 +29,9 @@ from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from tests.helpers import TinyLM, assert_states_equal
 from tests.helpers.fabric_loop import LoopSpec, train
-from tests.helpers.models import TinyGPT
+from tests.helpers.models import N_EMBD, VOCAB, TinyGPT
 from tests.helpers.runs import LM, FitResult, OptimSpec, fit_steps
+from tests.integration.test_activation_checkpointing import CheckpointedGPT
 
 HOST = {"optimizer_placement": "host", "chunk_size": 4096}
 STEPS = 5
@@ -114,6 +115,9 @@ def test_pipelined_step_is_the_serial_step(precision: str, mode: str) -> None:
         assert pipelined.host_steps_in_backward == 0
     else:  # every step after the warm-up's started its families inside the backward
         assert pipelined.host_steps_in_backward == (STEPS - 1) * families
+        # and copied them back there: nothing autograd saved still read them ([Note: copies back inside the
+        # backward]; the tied embedding's family included, its second use ran before its gradient was final)
+        assert pipelined.host_copies_back_in_backward == pipelined.host_steps_in_backward
     assert pipelined.step_d2h_bytes > 0 and pipelined.step_h2d_bytes > 0
 
 
@@ -214,6 +218,38 @@ def test_next_forward_leaves_no_weight_to_read_half_updated() -> None:
         fit_steps(ReadsWeightAtBatchEnd(), strategy, precision="bf16-mixed", steps=3)
 
 
+class DetachedRead(nn.Module):
+    """``mid.weight`` is read detached by a branch whose backward runs after ``mid``'s gradient is final: the
+    bytes autograd saved must still be the old weight then, though ``mid``'s family could step already."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid = nn.Linear(N_EMBD, N_EMBD)  # first: its own family with chunk_size 1100
+        self.wte = nn.Embedding(VOCAB, N_EMBD)
+        self.head = nn.Linear(N_EMBD, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.wte(idx)
+        side = h @ self.mid.weight.detach().t()  # saved: an alias of the param chunk, not a view of the parameter
+        return self.head(self.mid(h) + side)
+
+
+def test_a_family_read_later_in_the_backward_copies_back_after_it() -> None:
+    """[Note: copies back inside the backward]: a family whose weight autograd still holds (a detached alias) keeps
+    its copy back until the backward ends; the others copy back inside it; the bits are the serial step's."""
+    _, (_, piped) = _pair(lambda: LM(DetachedRead), "32-true", options={"chunk_size": 1100})
+    assert piped.host_steps_in_backward == (STEPS - 1) * _per_step(piped) > 0
+    assert 0 < piped.host_copies_back_in_backward < piped.host_steps_in_backward
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_recomputation_keeps_copies_back_for_the_backward_end(use_reentrant: bool) -> None:
+    """Activation checkpointing runs forwards inside the backward (seen in the warm-up): no copy back runs inside
+    one, and the bits are the serial step's."""
+    _, (_, piped) = _pair(lambda: LM(lambda: CheckpointedGPT(use_reentrant)), "32-true")
+    assert piped.host_steps_in_backward > 0 and piped.host_copies_back_in_backward == 0
+
+
 def test_a_gradient_after_the_family_started_its_step_raises() -> None:
     """A family that started its step inside the backward takes no further gradient (it would be lost): the
     gradient store offers each family once its final gradients all landed, and refuses a later one by name."""
@@ -234,6 +270,35 @@ def test_a_gradient_after_the_family_started_its_step_raises() -> None:
     record = manager.records[0]
     with pytest.raises(RuntimeError, match=f"parameter '{record.slot.name}'.*received another gradient"):
         manager.grad_ready(record, torch.ones_like(record.param, dtype=torch.bfloat16))
+    hooks.remove()
+
+
+def test_saved_reads_of_a_family_are_counted_until_autograd_drops_them() -> None:
+    """The proof behind a copy back inside the backward: every tensor autograd saves from a trainable param chunk
+    (the parameter in its module, a view, a detached alias) counts on its family until autograd drops it; a
+    module that needs a trainable parameter whose family already copied back raises, naming it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    config = PStarConfig.from_flat(chunk_size=80, placement="static")  # a family per layer
+    manager = ChunkManager(model, config=config, compute_dtype=torch.float32, device=torch.device("cpu"))
+    manager.materialise()
+    hooks = ModelHooks(manager)
+    hooks.install()
+    first, second = (manager.table.by_id[id(m.weight)].family for m in model)
+    assert first is not second
+    with hooks.saved_tensors():
+        x = torch.randn(4, 8, requires_grad=True)
+        out = model(x) + x @ model[1].weight.detach().t()  # the alias is saved by a node outside any module
+    assert first.saved_params - first.dropped_params >= 1  # the weight its linear saved
+    assert second.saved_params - second.dropped_params >= 2  # ... and the detached alias
+    out.pow(2).mean().backward()
+    for family in (first, second):
+        assert family.saved_params == family.dropped_params > 0
+    manager.pipeline.early.add(second.family_id)
+    name = manager.table.by_id[id(model[1].weight)].names[0]
+    with pytest.raises(RuntimeError, match=f"parameter '{name}' inside the backward.*optimizer_overlap='off'"):
+        manager.pre_backward(list(second.records), 1)
+    manager.pipeline.early.clear()
     hooks.remove()
 
 

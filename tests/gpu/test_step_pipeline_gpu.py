@@ -1,0 +1,45 @@
+"""The pipelined host step on CUDA ([Note: the step pipeline] in runtime/pipeline.py): copies on the pipeline's
+side streams, steps inside the backward and their copies back inside it too ([Note: copies back inside the
+backward] in optim/overlap.py), where the H2D copy on its stream runs while the compute stream goes on with the
+backward. Losses, weights and optimizer states equal the serial step's, bitwise. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+
+from lightning_pstar import PatrickStarStrategy
+from tests.helpers import assert_states_equal
+from tests.helpers.models import TinyGPT
+from tests.helpers.runs import LM, fit_steps
+
+pytestmark = pytest.mark.gpu
+ACCELERATOR = os.environ.get("PSTAR_TEST_ACCELERATOR", "cuda")  # "cpu": the same test on this machine's CPU
+
+
+class Peek(L.Callback):
+    """The memory report at the end of training (while the engine still runs)."""
+
+    report = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.report = trainer.strategy.memory_report()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_copies_back_inside_the_backward_on_cuda_are_the_serial_step(precision: str) -> None:
+    runs, reports = [], []
+    for overlap in ("off", "pipeline"):
+        strategy = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap=overlap, chunk_size=4096)
+        peek = Peek()
+        module = LM(lambda: TinyGPT())
+        options = {"precision": precision, "steps": 5, "callbacks": [peek], "accelerator": ACCELERATOR}
+        runs.append(fit_steps(module, strategy, **options))
+        reports.append(peek.report)
+    serial, pipelined = runs
+    report = reports[1]
+    assert report.host_steps_in_backward > 0 and report.host_copies_back_in_backward > 0, report
+    assert pipelined.losses == serial.losses
+    assert_states_equal(pipelined.final, serial.final, what="copies back inside the backward against 'off'")
