@@ -54,8 +54,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -71,6 +72,11 @@ __all__ = ["HostJob", "StageTimes", "StepPipeline", "host_lanes"]
 # Adam ran beside it at once). Host Adam is always CPU work; a copy is CPU work on a simulated device (a memcpy)
 # and a DMA engine's on CUDA, where its worker only waits. ``host_lanes`` counts the cores left after torch's
 # intra-op threads (the compute's), at least one.
+#
+# A free lane goes to a waiting stage of the latest kind (:class:`_Lanes`: H2D, then Adam, then D2H), claimed when
+# the job is handed over: with one lane, the Adam stage would otherwise take it for job after job while job k's copy
+# back waits behind all of them (measured: a forward that needs the first family waited for every family's Adam),
+# although job k is the one the compute needs first.
 def host_lanes() -> int:
     """How many of the pipeline's CPU stages may run at once ([Note: host lanes])."""
     try:
@@ -78,6 +84,42 @@ def host_lanes() -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, cores - torch.get_num_threads())
+
+
+_D2H, _ADAM, _H2D = 0, 1, 2  # the stages, in the order a job runs them (a later one takes a free lane first)
+_STAGE_NAMES = ("d2h", "adam", "h2d")
+
+
+class _Lanes:
+    """At most ``count`` CPU stages at once; a freed lane goes to a waiting stage of the latest kind (H2D, then
+    Adam, then D2H: the stage that finishes a job first, [Note: host lanes]). Each stage is one worker thread."""
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._claims = [0, 0, 0]  # per stage: handed to its worker (or waiting there) and not running yet
+        self._changed = threading.Condition()
+
+    def claim(self, stage: int) -> None:
+        """A job was handed to ``stage``'s worker: earlier stages leave it the next free lane (:meth:`held` with
+        ``claimed=True`` takes it)."""
+        with self._changed:
+            self._claims[stage] += 1
+
+    @contextmanager
+    def held(self, stage: int, *, claimed: bool) -> Generator[None, None, None]:
+        with self._changed:
+            if not claimed:
+                self._claims[stage] += 1
+            while self._free == 0 or any(self._claims[stage + 1 :]):
+                self._changed.wait()
+            self._claims[stage] -= 1
+            self._free -= 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._free += 1
+                self._changed.notify_all()
 
 
 @dataclass
@@ -131,7 +173,7 @@ class StepPipeline:
         self._held: list[HostJob] = []  # jobs past their Adam stage whose H2D stage waits for the backward's end
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.times = StageTimes()
-        self._lanes = threading.BoundedSemaphore(host_lanes())  # [Note: host lanes]
+        self._lanes = _Lanes(host_lanes())  # [Note: host lanes]
         self.early: set[int] = set()  # families whose copy back may run inside the backward (``submit(back_now)``)
         # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
         # in optim/overlap.py): "pipeline", "serial", or None while "auto" still times both
@@ -182,7 +224,7 @@ class StepPipeline:
                 job._back_open = True
             held, self._held = self._held, []
             for job in held:
-                self._workers()[2].submit(self._run_h2d, job)
+                self._to_h2d(job)
 
     def submit(self, job: HostJob, *, back_now: bool = False) -> None:
         """Start ``job``'s stages on the workers; it is finished by :meth:`wait` or :meth:`drain`. ``back_now``: its
@@ -208,7 +250,7 @@ class StepPipeline:
             job._back_open = True
             if job in self._held:
                 self._held.remove(job)
-                self._workers()[2].submit(self._run_h2d, job)
+                self._to_h2d(job)
         self._finish(job)
 
     def settle_off_device(self, family_ids: list[int]) -> None:
@@ -296,38 +338,56 @@ class StepPipeline:
         finally:
             setattr(self.times, stage, getattr(self.times, stage) + perf_counter() - start)
 
+    def _to_h2d(self, job: HostJob) -> None:
+        """Hand ``job`` to the H2D stage, its place in the lanes claimed first (see :meth:`_stage`)."""
+        if job.copies_use_cpu:
+            self._lanes.claim(_H2D)
+        self._workers()[2].submit(self._run_h2d, job)
+
     def _run_d2h(self, job: HostJob) -> None:
-        if self._stage(job, "d2h", job.d2h, on_cpu=job.copies_use_cpu):
+        def then() -> None:
+            self._lanes.claim(_ADAM)
             self._workers()[1].submit(self._run_adam, job)
 
+        self._stage(job, _D2H, job.d2h, on_cpu=job.copies_use_cpu, claimed=False, then=then)
+
     def _run_adam(self, job: HostJob) -> None:
-        if not self._stage(job, "adam", lambda: job.adam(self._scratch_for(job.scratch_numel)), on_cpu=True):
-            return
-        assert job._done is not None
-        with self._lock:  # the H2D stage's worker never waits for a gate: a held job waits here, in no queue
-            if job.skip_back:
-                job._done.set_result(None)
-            elif job._back_open:
-                self._workers()[2].submit(self._run_h2d, job)
-            else:
-                self._held.append(job)
+        def then() -> None:
+            assert job._done is not None
+            with self._lock:  # the H2D stage's worker never waits for a gate: a held job waits here, in no queue
+                if job.skip_back:
+                    job._done.set_result(None)
+                elif job._back_open:
+                    self._to_h2d(job)
+                else:
+                    self._held.append(job)
+
+        self._stage(job, _ADAM, lambda: job.adam(self._scratch_for(job.scratch_numel)), on_cpu=True, then=then)
 
     def _run_h2d(self, job: HostJob) -> None:
-        if self._stage(job, "h2d", job.h2d, on_cpu=job.copies_use_cpu):
+        def then() -> None:
             assert job._done is not None
             job._done.set_result(None)
 
-    def _stage(self, job: HostJob, stage: str, fn: Callable[[], None], *, on_cpu: bool) -> bool:
-        """Run one stage of ``job`` (timed; in a host lane where it is CPU work); an error ends the job with it (its
-        later stages do not run)."""
+        self._stage(job, _H2D, job.h2d, on_cpu=job.copies_use_cpu, then=then)
+
+    def _stage(
+        self, job: HostJob, stage: int, fn: Callable[[], None], *, on_cpu: bool, then: Callable[[], None],
+        claimed: bool = True,
+    ) -> None:  # fmt: skip
+        """Run one stage of ``job`` (timed; in a host lane where it is CPU work), then ``then``; an error ends the job
+        with it (its later stages do not run). ``then`` hands the job on while the stage still holds its lane, and
+        the next stage's place in the lanes is claimed before that (``claimed``: it was), so no younger job's stage
+        takes the lane in between ([Note: host lanes])."""
         try:
+            name = _STAGE_NAMES[stage]
             if on_cpu:
-                with self._lanes:
-                    self._timed(stage, fn)
+                with self._lanes.held(stage, claimed=claimed):
+                    self._timed(name, fn)
+                    then()
             else:
-                self._timed(stage, fn)
+                self._timed(name, fn)
+                then()
         except BaseException as error:  # noqa: BLE001 - handed to the job's future, raised by _finish
             assert job._done is not None
             job._done.set_exception(error)
-            return False
-        return True

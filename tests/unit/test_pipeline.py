@@ -165,3 +165,32 @@ def test_cpu_stages_never_run_beyond_the_lanes(monkeypatch: pytest.MonkeyPatch) 
     pipeline.drain()
     pipeline.close()
     assert most[0] == 1
+
+
+def test_one_lane_finishes_the_oldest_job_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: host lanes]: with one lane and every job submitted at once, a freed lane goes to the stage that
+    finishes a job (H2D, then Adam, then D2H), so jobs complete one after the other instead of every Adam first
+    (a forward waiting for the first family would wait for all of them)."""
+    from lightning_pstar.runtime import pipeline as module
+
+    monkeypatch.setattr(module, "host_lanes", lambda: 1)
+    pipeline = StepPipeline()
+    order: list[tuple[str, int]] = []
+
+    def stage(name: str, fid: int) -> Any:
+        def run(*args: Any) -> None:
+            order.append((name, fid))
+            threading.Event().wait(0.005)
+
+        return run
+
+    for fid in range(4):
+        pipeline.submit(
+            HostJob(
+                family_id=fid, d2h=stage("d2h", fid), adam=stage("adam", fid), h2d=stage("h2d", fid),
+                finish=lambda _: None, scratch_numel=1,
+            )
+        )  # fmt: skip
+    pipeline.drain()
+    pipeline.close()
+    assert order == [(name, fid) for fid in range(4) for name in ("d2h", "adam", "h2d")]
