@@ -108,14 +108,9 @@ class ChunkManager:
         )  # fmt: skip
         self.host_params, self.layout, self.table = plan.host_params, plan.layout, plan.table
         self.residency = Residency(
-            self.table.families,
-            device=device,
-            device_budget=plan.device_budget,
-            host_budget=plan.host_budget,
-            policy=plan.policy,
-            min_device_bytes=plan.module_need[0],
-            owns=lambda family: self.sharding.owns(family),
-        )
+            self.table.families, device=device, device_budget=plan.device_budget, host_budget=plan.host_budget,
+            policy=plan.policy, min_device_bytes=plan.module_need[0], owns=lambda family: self.sharding.owns(family),
+        )  # fmt: skip
         # [Note: the host need] in planning/tiers.py; the disk tier's buffers: [Note: disk families]
         self.residency.host_scratch_bytes = plan.need.scratch + plan.need.disk_buffers
         if plan.disk_plan is not None and plan.disk_plan.family_ids:  # [Note: disk families] in disk_tier.py
