@@ -1,4 +1,5 @@
-"""The value checks behind :mod:`lightning_pstar.config`: byte counts, numbers, flags, enums and unknown names.
+"""The value checks behind :mod:`lightning_pstar.config`: byte counts, numbers, flags, enums, unknown names and
+sections given as dicts.
 
 Each check names the option, the value and what is accepted, so that every way of configuring the strategy
 (keywords, a ``PStarConfig``, an OmegaConf or Hydra config) fails with the same message.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 from collections.abc import Mapping
+from dataclasses import fields
 from enum import Enum
 from typing import TypeVar
 
@@ -41,6 +44,7 @@ class _ValueEnum(str, Enum):
         raise ValueError(f"`{name}` must be one of {accepted}, got {value!r}.")
 
 
+_S = TypeVar("_S")
 _E = TypeVar("_E", bound=_ValueEnum)
 
 
@@ -109,3 +113,25 @@ def _unknown(key: str, candidates: Mapping[str, str], *, hint: str) -> UnknownOp
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(candidates), n=1)
     guess = f" (did you mean {candidates[close[0]]}?)" if close else ""
     return UnknownOptionError(f"Unknown PatrickStar option `{key}`{guess}. HINT: {hint}")
+
+
+def _section(value: object, cls: type[_S], *, name: str) -> _S:
+    """``value`` as a ``cls`` section: an instance, or a mapping of its fields (unknown keys raise)."""
+    if isinstance(value, Mapping):
+        known = sorted(f.name for f in fields(cls))  # type: ignore[arg-type]
+        for key in value:
+            if key not in known:
+                suggestions = {k: f"`{name}.{k}`" for k in known}
+                raise _unknown(f"{name}.{key}", suggestions, hint=f"the options of `{name}` are {known}.")
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise ValueError(f"`{name}` must be a {cls.__name__} or a dict of its options, got {value!r}.")
+    return value
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith("lightning_pstar"):
+        frame, level = frame.f_back, level + 1
+    return level

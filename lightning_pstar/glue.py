@@ -192,7 +192,8 @@ def hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Seque
     try:
         return _hand_back(manager, hooks, optimizers, failed=failed)
     finally:
-        manager.close_disk()  # the disk tier's files and run directory go with the run, whatever happened
+        if manager.disk is not None:  # the disk tier's files and run directory go with the run, whatever happened
+            manager.disk.close()
 
 
 def _hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Sequence[Any], *, failed: bool) -> EndOfRun:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.disk_tier import disk_loaded
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.state import Tier
 
@@ -65,7 +66,7 @@ def family_values(manager: ChunkManager, family: ChunkFamily, *, rank0_only: boo
         chunk = family.param_chunk
     local: torch.Tensor | None = None
     if chunk is not None and chunk.tier is Tier.DISK:  # a copy, read while the family is loaded
-        with manager.disk_loaded(family, write=False, kinds=(ChunkKind.MASTER,)):
+        with disk_loaded(manager.disk, family, write=False, kinds=(ChunkKind.MASTER,)):
             local = chunk.data.clone()
     elif chunk is not None:
         local = chunk.data
@@ -176,7 +177,8 @@ def load_full_state_dict(
             if manager.owns(record.family):
                 manager.fill_slot(record, value)
             manager.slot_holds_weight(record)  # the slot holds the loaded weight
-        manager.flush_disk()  # the last family's master written back to the disk tier
+        if manager.disk is not None:  # the last family's master written back to the disk tier
+            manager.disk.flush_setup()
         for key, value in state_dict.items():
             if key in buffers and key not in param_names:
                 buffers[key].copy_(value)
@@ -186,7 +188,7 @@ def load_full_state_dict(
 def _local_values(manager: ChunkManager, family: ChunkFamily) -> torch.Tensor:
     """fp32 CPU copy of a family this rank owns, read locally (no communication)."""
     chunk = family.chunks.get(ChunkKind.MASTER, family.param_chunk)
-    with manager.disk_loaded(family, write=False, kinds=(ChunkKind.MASTER,)):
+    with disk_loaded(manager.disk, family, write=False, kinds=(ChunkKind.MASTER,)):
         return chunk.data.detach().to("cpu", torch.float32, copy=True)
 
 
@@ -246,7 +248,8 @@ def load_owned_tensors(
             record = expected[key]
             manager.fill_slot(record, value)
             manager.slot_holds_weight(record)  # the slot holds the loaded weight
-        manager.flush_disk()  # the last family's master written back to the disk tier
+        if manager.disk is not None:  # the last family's master written back to the disk tier
+            manager.disk.flush_setup()
         named = dict(manager.module.named_buffers())
         for key, value in buffers.items():
             if key in named:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.disk_tier import disk_loaded, disk_one_at_a_time
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
 
@@ -135,7 +136,7 @@ class ChunkedStateDict:
     ) -> dict[int, dict[str, torch.Tensor]]:
         """:meth:`record_states` of one family (one collective at several ranks unless ``owned_only``; a family on
         the disk tier is read into host buffers for it, one family at a time)."""
-        with self._manager.disk_loaded(family, write=False, kinds=self._kinds):
+        with disk_loaded(self._manager.disk, family, write=False, kinds=self._kinds):
             return self._family_states(family, rank0_only=rank0_only, owned_only=owned_only)
 
     def _family_states(
@@ -308,7 +309,7 @@ class ChunkedStateDict:
                 k: torch.as_tensor(v, dtype=torch.float32).to(p.device).clone() for k, v in entry.items()
             }
         updates.sort(key=lambda update: update[0].family.family_id)  # a disk family is read and written once
-        with torch.no_grad(), self._manager.disk_one_at_a_time(write=True, kinds=self._kinds) as need:
+        with torch.no_grad(), disk_one_at_a_time(self._manager.disk, write=True, kinds=self._kinds) as need:
             for record, entry in updates:
                 if self._manager.owns(record.family):  # else its owner loads it
                     need(record.family)

@@ -2,10 +2,12 @@
 
 ``requirements`` (what a model needs: the functions the engine and the planner both call), ``layout`` (chunk
 layouts and the chunk-size search), ``models`` (meta-device builds of what the planner prices), ``capacity``
-(the plan), ``largest`` (the largest GPT that fits), ``cli`` (``python -m lightning_pstar.plan``).
+(the plan; ``capacity_plan`` its figures and how they read), ``largest`` (the largest GPT that fits), ``cli``
+(``python -m lightning_pstar.plan``).
 """
 
-from lightning_pstar.planning.capacity import CapacityPlan, bytes_per_element, plan_capacity
+from lightning_pstar.planning.capacity import bytes_per_element, plan_capacity
+from lightning_pstar.planning.capacity_plan import CapacityPlan
 from lightning_pstar.planning.cli import main
 from lightning_pstar.planning.largest import LargestModel, Scale
 from lightning_pstar.planning.models import build_meta_model

@@ -58,7 +58,7 @@ class LargestModel:
 
 
 class MemberPlan(Protocol):
-    """What the search reads of a candidate's plan (:class:`~lightning_pstar.planning.capacity.CapacityPlan`)."""
+    """What the search reads of a candidate's plan (:class:`~lightning_pstar.planning.capacity_plan.CapacityPlan`)."""
 
     @property
     def fits(self) -> bool: ...

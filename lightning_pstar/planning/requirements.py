@@ -2,7 +2,7 @@
 resident, and what the model data needs per tier.
 
 Pure functions over a module, a :class:`~lightning_pstar.planning.layout.Layout` and numbers: the engine
-(:class:`~lightning_pstar.runtime.manager.ChunkManager`) calls them at setup and the capacity planner
+(:func:`~lightning_pstar.runtime.setup_plan.plan_setup`) calls them at setup and the capacity planner
 (:mod:`lightning_pstar.planning.capacity`) calls them before training, so every figure both compute is the
 same function's result. What the run needs per tier is :mod:`lightning_pstar.planning.tiers`' (re-exported here).
 """

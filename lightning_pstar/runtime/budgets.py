@@ -1,4 +1,5 @@
-"""The budgets a :class:`~lightning_pstar.runtime.manager.ChunkManager` plans at setup, before it allocates.
+"""The budgets a :class:`~lightning_pstar.runtime.manager.ChunkManager` plans at setup, before it allocates
+(:func:`~lightning_pstar.runtime.setup_plan.plan_setup` calls these).
 
 The device budget (``device_memory_limit``, else a fraction of the GPU; the simulated device has none unless
 given), the host budget (``host_memory_limit``, else a fraction of this machine's RAM shared by its ranks),

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -58,6 +58,8 @@ __all__ = [
     "DiskPlan",
     "DiskTier",
     "choose_disk_families",
+    "disk_loaded",
+    "disk_one_at_a_time",
     "disk_block_bytes",
     "disk_buffer_bytes",
     "disk_bytes_per_element",
@@ -288,3 +290,23 @@ class DiskTier:
         """Remove the run's files and directory (idempotent)."""
         self._setup_family = None
         self.store.close()
+
+
+# ---- readers of a tier that may not exist (no family on disk) -------------------------------------------------
+def disk_loaded(
+    disk: DiskTier | None, family: ChunkFamily, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
+) -> AbstractContextManager[object]:
+    """Inside the block ``family``'s chunks on disk (if any) are read into host buffers; written back at its end
+    when ``write`` (:meth:`DiskTier.loaded`)."""
+    return disk.loaded(family, write=write, kinds=kinds) if disk is not None and disk.holds(family) else nullcontext()
+
+
+def disk_one_at_a_time(
+    disk: DiskTier | None, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
+) -> AbstractContextManager[Callable[[ChunkFamily], None]]:
+    """:meth:`DiskTier.one_at_a_time`, or a ``need`` that does nothing without a disk tier."""
+    return disk.one_at_a_time(write=write, kinds=kinds) if disk is not None else nullcontext(_no_disk_need)
+
+
+def _no_disk_need(family: ChunkFamily) -> None:
+    """``need`` without a disk tier: nothing to load."""

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from lightning_pstar.runtime.chunk import ChunkKind
+from lightning_pstar.runtime.disk_tier import disk_loaded
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.param_guard import ParameterGuard
@@ -350,7 +351,7 @@ class ModelHooks:
         slot = record.slot
         if record.grad_in_param_slot:
             # the gradient is final already (a graph run backward twice): the weight is the fp32 master's
-            with manager.disk_loaded(family, write=False, kinds=(ChunkKind.MASTER,)):  # [Note: disk families]
+            with disk_loaded(manager.disk, family, write=False, kinds=(ChunkKind.MASTER,)):  # [Note: disk families]
                 master = family.chunks[ChunkKind.MASTER].slot_view(slot).reshape(-1)
                 flat = master.to(device=manager.device, dtype=packed.dtype, copy=True)
             return flat.as_strided(packed.size, packed.stride, packed.offset - slot.offset)

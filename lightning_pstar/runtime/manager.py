@@ -1,8 +1,9 @@
 """The chunk manager: a thin facade whose verbs are the steps of one iteration.
 
 Setup has two phases so that bad input fails before anything changes: ``ChunkManager(...)`` only plans
-(:mod:`~lightning_pstar.runtime.budgets`, with the planner's functions); :meth:`ChunkManager.materialise`
-then allocates chunks and puts every parameter into its slot (:mod:`~lightning_pstar.runtime.materialise`).
+(:func:`~lightning_pstar.runtime.setup_plan.plan_setup`, with the planner's functions);
+:meth:`ChunkManager.materialise` then allocates chunks and puts every parameter into its slot
+(:mod:`~lightning_pstar.runtime.materialise`).
 
 During training the hooks (:mod:`~lightning_pstar.runtime.hooks`) and the strategy call the iteration's
 verbs, in this order per micro-batch: :meth:`begin_training_batch`, per module :meth:`pre_forward` /
@@ -15,40 +16,20 @@ parameter :meth:`grad_ready`, :meth:`finish_backward`; then the optimizer's :met
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from lightning_pstar.config import NonFinite, OptimizerOverlap, OptimizerPlacement, PStarConfig
-from lightning_pstar.planning.requirements import (
-    BytesPerElement,
-    MemoryBudgetError,
-    collect_parameters,
-    host_embeddings,
-    min_device_bytes,
-    tier_need,
-)
+from lightning_pstar.config import NonFinite, OptimizerPlacement, PStarConfig
+from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import MemoryReport
-from lightning_pstar.runtime.budgets import (
-    check_hand_back_fits,
-    check_host_after_warmup,
-    check_setup_budgets,
-    device_budget_of,
-    host_budget_of,
-    optimizer_start_tier,
-    plan_layout,
-    warn_unbound_host_limit,
-)
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
-from lightning_pstar.runtime.disk import check_disk_path
-from lightning_pstar.runtime.disk_tier import DISK_DEPTH, DISK_KINDS, DiskPlan, DiskTier, open_disk_tier, plan_disk_tier
+from lightning_pstar.runtime.disk_tier import DiskTier, disk_one_at_a_time, open_disk_tier
 from lightning_pstar.runtime.family import (
     ChunkFamily,
     ParamRecord,
-    ParamTable,
     copy_forward_writes_to_masters,
     families_of,
     move_slots,
@@ -57,9 +38,10 @@ from lightning_pstar.runtime.family import (
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
 from lightning_pstar.runtime.pipeline import StepPipeline
-from lightning_pstar.runtime.placement import PlacementPolicy, make_policy
+from lightning_pstar.runtime.placement import PlacementPolicy
 from lightning_pstar.runtime.reporting import build_report, module_names
 from lightning_pstar.runtime.residency import Residency
+from lightning_pstar.runtime.setup_plan import plan_setup
 from lightning_pstar.runtime.sharding import Sharding, make_sharding
 from lightning_pstar.runtime.state import MicroBatch, Phase, TensorState, Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
@@ -69,7 +51,6 @@ __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "
 
 log = logging.getLogger(__name__)
 
-_ADAM_STATE_BYTES = 8  # what setup assumes before the optimizer is known: the most a supported one needs
 _COMPUTE, _FORWARD, _BACKWARD = TensorState.COMPUTE, MomentKind.FORWARD, MomentKind.BACKWARD  # per module: no lookup
 _graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outside one)
 _HOLD, _HOLD_AFTER_FWD = TensorState.HOLD, TensorState.HOLD_AFTER_FWD
@@ -117,21 +98,25 @@ class ChunkManager:
         # (hooks.py, saved tensors) must read the same version in backward
         self.weights_version = 0
 
-        device_budget, host_budget, policy = self._plan(config, local_world_size, policy)
-        self.residency = Residency(
-            self.table.families,
-            device=device,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            policy=policy,
-            min_device_bytes=self._min_device_bytes,
-            owns=lambda family: self.sharding.owns(family),
+        self.tracer = MemoryTracer(  # residency exists by the time the tracer asks
+            device,
+            lambda: self.residency.stats.per_tier_bytes[Tier.DEVICE],
+            lambda: self.residency.storage_ptrs(list(self.table.iter_chunks())),
         )
+        plan = self.setup_plan = plan_setup(
+            module, config, compute_dtype=compute_dtype, device=device, rank=self.rank, world_size=self.world_size,
+            local_world_size=local_world_size, accumulates=accumulates, tracer=self.tracer, policy=policy,
+        )  # fmt: skip
+        self.host_params, self.layout, self.table = plan.host_params, plan.layout, plan.table
+        self.residency = Residency(
+            self.table.families, device=device, device_budget=plan.device_budget, host_budget=plan.host_budget,
+            policy=plan.policy, min_device_bytes=plan.module_need[0], owns=lambda family: self.sharding.owns(family),
+        )  # fmt: skip
         # [Note: the host need] in planning/tiers.py; the disk tier's buffers: [Note: disk families]
-        self.residency.host_scratch_bytes = self.setup_need.scratch + self.setup_need.disk_buffers
-        if self._disk_plan is not None and self._disk_plan.family_ids:  # [Note: disk families] in disk_tier.py
-            self.residency.disk = open_disk_tier(self._disk_plan, config.memory, mixed=self.mixed, device=device)
-        self.residency.optimizer_tier = self._optimizer_start
+        self.residency.host_scratch_bytes = plan.need.scratch + plan.need.disk_buffers
+        if plan.disk_plan is not None and plan.disk_plan.family_ids:  # [Note: disk families] in disk_tier.py
+            self.residency.disk = open_disk_tier(plan.disk_plan, config.memory, mixed=self.mixed, device=device)
+        self.residency.optimizer_tier = plan.optimizer_start
         self.residency.hybrid_optimizer = config.placement.optimizer is OptimizerPlacement.AUTO
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
         # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
@@ -151,142 +136,19 @@ class ChunkManager:
             module_groups=module_groups, bucket_bytes=config.chunks.bucket_nbytes,
         )  # fmt: skip
 
-    # ---- planning -------------------------------------------------------------------------------------
-    def _plan(
-        self, config: PStarConfig, local_world_size: int, policy: PlacementPolicy | None
-    ) -> tuple[int | None, int, PlacementPolicy]:
-        """Parameters and where they go, the layout, the budgets and their check: nothing is allocated."""
-        module, device = self.module, self.device
-        self.host_params = host_embeddings(module) if config.chunks.cpu_embedding else {}
-        self._named = collect_parameters(module, exclude={id(p) for p in self.host_params.values()})
-        if not self._named:
-            raise ValueError("The model has no parameters; there is nothing for PatrickStar to manage.")
-        device_budget = device_budget_of(config, device)
-        self.layout = plan_layout(
-            self._named,
-            config,
-            device_budget=device_budget,
-            compute_dtype=self.compute_dtype,
-            world_size=self.world_size,
-            device=device,
-        )
-        self.table = ParamTable(module, self.layout, self._named)
-        self._min_device_bytes = self.min_device_bytes()[0]
-        host_budget = host_budget_of(config, local_world_size)
-        self.tracer = MemoryTracer(  # residency exists by the time the tracer asks
-            device,
-            lambda: self.residency.stats.per_tier_bytes[Tier.DEVICE],
-            lambda: self.residency.storage_ptrs(list(self.table.iter_chunks())),
-        )
-        if policy is None:
-            policy = make_policy(
-                config.placement.policy,
-                self.tracer,
-                static_chunk_fraction=config.placement.static_chunk_fraction,
-                warmup_chunk_fraction=config.placement.warmup_chunk_fraction,
-            )
-        start = self._optimizer_start = optimizer_start_tier(
-            config, policy, model_data=self._model_data_bytes(), device_budget=device_budget
-        )
-        warn_unbound_host_limit(config, device)
-        self._disk_plan: DiskPlan | None = None
-        disk_split = self._disk_split if config.memory.disk_path is not None and start is Tier.HOST else None
-        self.setup_need = check_setup_budgets(
-            self.layout,
-            self.bytes_per_element(),
-            module_need=self.min_device_bytes(),
-            host_params=self.host_params,
-            world_size=self.world_size,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            optimizer_on_host=start is Tier.HOST,
-            static_fraction=config.placement.static_chunk_fraction if policy.name == "static" else None,
-            chunk_room=policy.chunk_room(device_budget, self._min_device_bytes),
-            pinned=device.type == "cuda",
-            disk_split=disk_split,
-        )
-        if self._disk_plan is not None and self._disk_plan.family_ids:  # refused before anything is allocated
-            check_disk_path(config.memory.disk_path, self._disk_plan.file_bytes, config.memory.disk_limit_bytes)
-            check_hand_back_fits(
-                config,
-                payload_elements=self.layout.payload_elements,
-                optimizer_bytes=self.bytes_per_element().optimizer,
-            )
-        elif config.memory.disk_path is not None:
-            log.info("PatrickStar: disk_path is set, but the host budget holds the optimizer side: no disk tier.")
-        return device_budget, host_budget, policy
-
-    def _disk_split(self, excess: int) -> tuple[int, int]:
-        """The disk tier's share of the host need (``check_setup_budgets``): :func:`plan_disk_tier`."""
-        bpe = self.bytes_per_element()
-        serial = self.config.placement.optimizer_overlap is OptimizerOverlap.OFF  # one family loaded at a time
-        self._disk_plan = plan_disk_tier(
-            self.layout, master=bpe.master, optimizer=bpe.optimizer, rank=self.rank, world_size=self.world_size,
-            excess=excess, depth=1 if serial else DISK_DEPTH,
-        )  # fmt: skip
-        return self._disk_plan.on_disk, self._disk_plan.buffers
-
     @property
     def disk(self) -> DiskTier | None:
         """The disk tier, when some families are on it ([Note: disk families] in ``runtime/disk_tier.py``)."""
         return self.residency.disk
 
-    def disk_loaded(
-        self, family: ChunkFamily, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
-    ) -> AbstractContextManager[object]:
-        """Inside the block ``family``'s chunks on disk (if any) are read into host buffers; written back at its end
-        when ``write``."""
-        disk = self.residency.disk
-        return (
-            disk.loaded(family, write=write, kinds=kinds) if disk is not None and disk.holds(family) else nullcontext()
-        )
-
-    def disk_one_at_a_time(
-        self, *, write: bool, kinds: Sequence[ChunkKind] = DISK_KINDS
-    ) -> AbstractContextManager[Callable[[ChunkFamily], None]]:
-        """:meth:`DiskTier.one_at_a_time`, or a ``need`` that does nothing without a disk tier."""
-        disk = self.residency.disk
-        return disk.one_at_a_time(write=write, kinds=kinds) if disk is not None else nullcontext(_no_disk_need)
-
-    def flush_disk(self) -> None:
-        """Write back the family a load (or setup) left loaded on the disk tier."""
-        if self.residency.disk is not None:
-            self.residency.disk.flush_setup()
-
-    def close_disk(self) -> None:
-        """Remove the disk tier's files and run directory (the run ends, or its setup failed)."""
-        if self.residency.disk is not None:
-            self.residency.disk.close()
-
-    def bytes_per_element(self, optimizer: int = _ADAM_STATE_BYTES) -> BytesPerElement:
-        return BytesPerElement.of_run(
-            compute_itemsize=self.compute_dtype.itemsize,
-            optimizer=optimizer,
-            accumulates=self.mixed and self.accumulates,
-            frozen_master=self.config.mixed_precision.frozen_master,
-        )
-
-    def _model_data_bytes(self) -> int:
-        """Bytes of the families this rank owns once the optimizer's states exist."""
-        bpe = self.bytes_per_element()
-        return tier_need(self.layout, bpe, world_size=self.world_size).per_rank
-
-    def min_device_bytes(self) -> tuple[int, str]:
-        """Bytes of param chunks that must be resident at once for one module's forward, and its name."""
-        index = {id(p): i for i, (p, _) in enumerate(self._named)}
-        return min_device_bytes(
-            self.module, self.layout, index, itemsize=self.compute_dtype.itemsize, world_size=self.world_size
-        )
-
     # ---- setup ----------------------------------------------------------------------------------------
     def materialise(self) -> None:
         """Allocate chunks, move or initialise every parameter into its slot and re-point the model."""
         assert not self._materialised, "materialise() runs once"
-        detail = repr([(names[0], tuple(p.shape), p.requires_grad) for p, names in self._named])
-        detail += repr([(c.capacity, c.trainable, c.members, c.offsets) for c in self.layout.chunks])  # ranks agree
-        summary = (len(self._named), self.layout.payload_elements, self.layout.chunk_size, len(self.families))
+        summary, detail = self.setup_plan.agreement()  # the ranks agree on it
         self._materialiser().run(self.host_params, summary, detail)
-        self.flush_disk()  # the last family's master written ([Note: disk families] in runtime/disk_tier.py)
+        if self.disk is not None:  # the last family's master written ([Note: disk families] in runtime/disk_tier.py)
+            self.disk.flush_setup()
         self._materialised = True
         log.log(
             logging.INFO if self.rank == 0 else logging.DEBUG,  # the ranks agree (checked above): one says it
@@ -410,7 +272,7 @@ class ChunkManager:
             if self.residency.disk is None or self.sharding.distributed:
                 copy_forward_writes_to_masters(written, distributed=self.sharding.distributed)
             else:  # family by family: a master on disk is read and written back once ([Note: disk families])
-                with self.disk_one_at_a_time(write=True, kinds=(ChunkKind.MASTER,)) as need:
+                with disk_one_at_a_time(self.residency.disk, write=True, kinds=(ChunkKind.MASTER,)) as need:
                     for record in sorted(written, key=lambda r: r.family.family_id):
                         need(record.family)
                         copy_forward_writes_to_masters([record], distributed=False)
@@ -574,11 +436,9 @@ class ChunkManager:
     # ---- the optimizer step and the end of the warm-up -------------------------------------------------
     def _check_host_after_warmup(self, room: int) -> None:
         assert self.residency.device_budget is not None
-        check_host_after_warmup(
-            self.layout, self.bytes_per_element(), self.setup_need, world_size=self.world_size,
-            device_budget=self.residency.device_budget, host_budget=self.residency.host_budget, room=room,
-            pinned=self.device.type == "cuda",
-        )  # fmt: skip
+        self.setup_plan.check_host_after_warmup(
+            room=room, device_budget=self.residency.device_budget, host_budget=self.residency.host_budget
+        )
 
     def step_moment(self) -> None:
         """The optimizer step is a moment of its own (it accesses every trainable family). At the warm-up's, the
@@ -628,7 +488,8 @@ class ChunkManager:
         ``keep_tail``: steps an ``optimizer.step()`` left in flight (``optimizer_overlap="next_forward"``) go on;
         the modules that need their families wait for them (:meth:`access`)."""
         self.grads.on_final = None
-        self.flush_disk()
+        if self.residency.disk is not None:  # the family a load left loaded is written back
+            self.residency.disk.flush_setup()
         if keep_tail and self.tailing:
             return
         try:
@@ -673,7 +534,3 @@ class ChunkManager:
             overlap=self.config.placement.optimizer_overlap.value,
             nonfinite_skipped_steps=self.nonfinite_skipped_steps,
         )
-
-
-def _no_disk_need(family: ChunkFamily) -> None:
-    """``need`` without a disk tier: nothing to load."""

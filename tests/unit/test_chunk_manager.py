@@ -98,7 +98,7 @@ def test_plan_tables_before_materialise() -> None:
     assert [r.slot.offset for r in manager.records[:2]] == [0, 64]
     assert all(r.slot.state is TensorState.FREE for r in manager.records)
     assert set(manager.table.module_records) == set(model)  # Sequential itself owns no parameter directly
-    assert manager.min_device_bytes() == (LAYER_BYTES_FP32, "0")
+    assert manager.setup_plan.module_need == (LAYER_BYTES_FP32, "0")
     assert manager.stats.per_tier_bytes == {Tier.DEVICE: 0, Tier.HOST: 0}
 
 

@@ -124,7 +124,7 @@ def test_model_data_bytes_match_the_engine(
         assert plan.num_chunks == len(manager.families)
         assert plan.chunk_utilisation == pytest.approx(manager.layout.utilisation)
         assert plan.num_params == sum(r.slot.numel for r in manager.records)
-        assert (plan.min_device_bytes, plan.min_device_module) == manager.min_device_bytes()
+        assert (plan.min_device_bytes, plan.min_device_module) == manager.setup_plan.module_need
         kinds = plan.param_chunk_bytes + plan.master_bytes + plan.grad_bytes + plan.optimizer_state_bytes
         kinds += plan.frozen_master_bytes
         assert kinds == plan.model_data_bytes
@@ -156,7 +156,7 @@ def test_cpu_embedding_keeps_untied_embeddings_out_of_the_chunks() -> None:
     plan = plan_capacity(_Embedded, device_memory="1GiB", host_memory="1GiB", chunk_size=96, cpu_embedding=True)
     assert sorted(manager.host_params) == ["pos.weight", "seg.weight"]
     assert plan.model_data_bytes == manager.memory_report().model_data_bytes
-    assert (plan.min_device_bytes, plan.min_device_module) == manager.min_device_bytes()
+    assert (plan.min_device_bytes, plan.min_device_module) == manager.setup_plan.module_need
     assert plan.host_embedding_params == 16 * 8 + 4 * 8
     assert plan.host_embedding_bytes == 16 * 8 * (4 + 4 + 8) + 4 * 8 * 4  # fp32 weight, grad, Adam; frozen: weight
     assert plan.num_params == sum(p.numel() for p in _Embedded().parameters())
@@ -259,9 +259,9 @@ def test_planner_figures_are_the_engines(
     planned, manager = plan(device, BIG), engine(device, BIG)
     assert planned.fits and planned.host_model_data_bytes > 0
     assert (planned.chunk_size, planned.num_chunks) == (manager.layout.chunk_size, len(manager.layout.chunks))
-    assert planned.bytes_per_element == manager.bytes_per_element()
-    assert (planned.min_device_bytes, planned.min_device_module) == manager.min_device_bytes()
-    assert planned.model_data_bytes_per_rank == manager._model_data_bytes()
+    assert planned.bytes_per_element == manager.setup_plan.bpe
+    assert (planned.min_device_bytes, planned.min_device_module) == manager.setup_plan.module_need
+    assert planned.model_data_bytes_per_rank == manager.setup_plan.model_data_bytes
     assert planned.host_embedding_params == sum(p.numel() for p in manager.host_params.values())
     assert (planned.host_embedding_params > 0) == (cpu_embedding and factory is not _frozen_tied)
     # the host need: the engine accepts it as the host budget and refuses one byte less, naming the same figure
