@@ -32,6 +32,11 @@ longer of forward and adam), the most an exact schedule can overlap when the nor
 backward. "auto" ends the step before ``optimizer.step()`` returns, so it cannot overlap the next forward: where
 host Adam is longer than the backward, or with clipping, only "next_forward" can reach those bounds. Printed as
 a table (with the load average) and written as JSON with ``--json``.
+
+Those bounds assume stages that do not slow each other, as on a GPU (its compute on the device, the copies on DMA
+engines, Adam on the host). On a CPU every stage streams through the same memory: ``copy_bandwidth`` measures
+what one thread and two threads copying at once move per second, and each target row also gives the serial step
+over that ratio (``bandwidth_floor_ms``), the fastest any overlap of memory-bound stages can be here.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -219,9 +225,34 @@ def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, 
     return out
 
 
-def _targets(compute: dict[str, Any], stages: dict[str, float], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def copy_bandwidth(threads: int, *, numel: int = 32 * 2**20, repeats: int = 8) -> float:
+    """Bytes per second (read + write, 1e9) that ``threads`` threads copying their own ``numel``-element fp32 tensors
+    at once move in all: with ``threads=2`` against 1, how much two memory-bound stages can overlap here."""
+    pairs = [(torch.rand(numel), torch.empty(numel)) for _ in range(threads)]
+    spent = [0.0] * threads
+
+    def copy(i: int) -> None:
+        source, target = pairs[i]
+        target.copy_(source)  # first touch outside the timing
+        start = time.perf_counter()
+        for _ in range(repeats):
+            target.copy_(source)
+        spent[i] = time.perf_counter() - start
+
+    workers = [threading.Thread(target=copy, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return threads * 2 * numel * 4 * repeats / max(spent) / 1e9
+
+
+def _targets(
+    compute: dict[str, Any], stages: dict[str, float], runs: list[dict[str, Any]], headroom: float
+) -> list[dict[str, Any]]:
     f, b = compute["forward_ms"], compute["backward_ms"]
     adam, transfers = stages["adam_ms"], stages["d2h_ms"] + stages["h2d_ms"]
+    serial = {run["clip"]: run["step_ms"] for run in runs if run["overlap"] == "off"}
     rows = []
     for run in runs:
         if run["overlap"] == "off":
@@ -242,6 +273,9 @@ def _targets(compute: dict[str, Any], stages: dict[str, float], runs: list[dict[
                 "met": run["step_ms"] <= 1.15 * bound,
                 # the contention: how much longer the backward took beside the steps inside it than alone
                 "backward_over_alone": run["backward_ms"] / b,
+                # the serial step over the machine's overlap headroom: the fastest overlap of stages bound by
+                # memory bandwidth (a CPU's simulated device: compute, Adam and the copies all are)
+                "bandwidth_floor_ms": serial[run["clip"]] / headroom,
             }
         )
     return rows
@@ -278,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for overlap in ("off", "pipeline", "auto", "next_forward")
     ]
     stages = runs[0]["stages_alone"]
+    bandwidth = {"one_thread_gbps": copy_bandwidth(1), "two_threads_gbps": copy_bandwidth(2)}
+    headroom = bandwidth["two_threads_gbps"] / bandwidth["one_thread_gbps"]
     result = {
         "model": {k: getattr(args, k) for k in ("n_layer", "n_embd", "block", "batch_size", "precision", "chunk_size")},
         "threads": args.threads,
@@ -285,8 +321,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "num_params": compute["num_params"],
         "compute": compute,
         "stages_alone": stages,
+        "copy_bandwidth": bandwidth,
         "runs": runs,
-        "targets": _targets(compute, stages, runs),
+        "targets": _targets(compute, stages, runs, headroom),
     }
     _print(result)
     if args.json is not None:
@@ -303,6 +340,11 @@ def _print(result: dict[str, Any]) -> None:
         "d2h": stages["d2h_ms"], "adam": stages["adam_ms"], "h2d": stages["h2d_ms"],
     }.items()))  # fmt: skip
     print(f"optimizer on the device: step {compute['step_ms']:.1f} ms")
+    bw = result["copy_bandwidth"]
+    print(
+        f"copy bandwidth: {bw['one_thread_gbps']:.1f} GB/s on one thread, {bw['two_threads_gbps']:.1f} on two"
+        f" ({bw['two_threads_gbps'] / bw['one_thread_gbps']:.2f}x: the most memory-bound stages can overlap here)"
+    )
 
     print("| clip | overlap | runs | step ms | forward | backward | step phase | in backward (copied back) / jobs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -319,7 +361,8 @@ def _print(result: dict[str, Any]) -> None:
         print(
             f"{t['overlap']}, {'clip' if t['clip'] else 'no clip'}: step {t['step_ms']:.1f} ms = {t['ratio']:.2f}x"
             f" {t['bound']} ({t['bound_ms']:.1f} ms); target <= {t['target']}x: {verdict}; backward"
-            f" {t['backward_over_alone']:.2f}x its time alone"
+            f" {t['backward_over_alone']:.2f}x its time alone; {t['step_ms'] / t['bandwidth_floor_ms']:.2f}x the"
+            f" serial step over the copy bandwidth's headroom ({t['bandwidth_floor_ms']:.1f} ms)"
         )
 
 

@@ -252,9 +252,14 @@ def test_offload_quick_measures_every_schedule_against_its_bounds(tmp_path: Path
     assert runs[("pipeline", True)]["host_steps_in_backward"] == 0  # clipping needs every gradient first
     assert set(result["stages_alone"]) == {"d2h_ms", "adam_ms", "h2d_ms"}
     assert len(result["targets"]) == 6
+    bandwidth = result["copy_bandwidth"]
+    assert bandwidth["one_thread_gbps"] > 0 and bandwidth["two_threads_gbps"] > 0
+    headroom = bandwidth["two_threads_gbps"] / bandwidth["one_thread_gbps"]
     for target in result["targets"]:
         assert target["ratio"] == pytest.approx(target["step_ms"] / target["bound_ms"])
         assert target["met"] == (target["step_ms"] <= 1.15 * target["bound_ms"])
         run = runs[(target["overlap"], target["clip"])]
         assert target["backward_over_alone"] == pytest.approx(run["backward_ms"] / result["compute"]["backward_ms"])
+        serial = runs[("off", target["clip"])]["step_ms"]
+        assert target["bandwidth_floor_ms"] == pytest.approx(serial / headroom)
     assert "target <= 1.15x" in proc.stdout
