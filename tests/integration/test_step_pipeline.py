@@ -159,6 +159,7 @@ def test_tight_device_budget() -> None:
     _, (serial, pipelined) = _pair(_gpt, "bf16-mixed", options={"device_memory_limit": "400KiB"})
     assert serial.evictions > 0 and pipelined.evictions > 0
     assert pipelined.host_step_jobs > 0 and pipelined.host_steps_in_backward > 0
+    assert pipelined.host_copies_back_in_backward > 0  # copies back inside the budgeted backward too
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "next_forward"])
