@@ -257,8 +257,14 @@ class GradStore:
         grads = [g for _, g in pairs]
         if chunk.tier is not _DEVICE and not self.simulated:  # gradients cross to the host, one by one
             self.residency.stats.d2h_bytes += sum(g.numel() * g.element_size() for g in grads)
+            if add:
+                for target, grad in zip(targets, grads, strict=True):
+                    target.add_(grad.to(target.device))
+                return
             for target, grad in zip(targets, grads, strict=True):
-                target.add_(grad.to(target.device)) if add else target.copy_(grad)
+                target.copy_(grad, non_blocking=True)  # into pinned host memory: queued, not waited for one by one
+            if grads and grads[0].is_cuda:  # one wait for the family's copies: the host bytes are read next
+                torch.cuda.current_stream(grads[0].device).synchronize()
         elif add:
             torch._foreach_add_(targets, grads)
         else:
