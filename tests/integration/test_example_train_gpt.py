@@ -1,9 +1,7 @@
 """End-to-end runs of examples/train_gpt.py (the Hydra app) in a subprocess, as a user runs it.
 
-[Note: one-process runs started together] Each run is one interpreter that imports Lightning and Hydra and trains
-on one core, so on 2 cores one run at a time leaves a core idle. The module's one-process runs (every test here
-but the 2-rank one, which takes both cores) are started together by the first test that needs one, and each test
-waits for its own; only the runs of the tests selected in this session are started.
+The one-process runs (every test here but the 2-rank one, which takes both cores) start together from the module's
+fixture, and each test waits for its own: [Note: one-process runs started together] in tests/helpers/together.py.
 """
 
 from __future__ import annotations
@@ -13,12 +11,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_pstar.demos import GPTLightningModule
+from tests.helpers.together import Command, Started, selected_tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "examples" / "train_gpt.py"
@@ -63,46 +63,31 @@ def _overhead_command(out: Path) -> list[str]:
     ]
 
 
-class Started:
-    """The one-process runs of the selected tests, started together ([Note: one-process runs started together])."""
+@dataclass
+class Runs:
+    """The started runs and the directory under which each test's run writes (``root / <test name>``)."""
 
-    def __init__(self, root: Path, selected: set[str]) -> None:
-        self.dirs: dict[str, Path] = {}
-        self.procs: dict[str, subprocess.Popen[str]] = {}
-        for name, overrides in ONE_PROCESS_RUNS.items():
-            if name not in selected:
-                continue
-            self.dirs[name] = root / name
-            self.dirs[name].mkdir()
-            if overrides is None:
-                cmd, env = _overhead_command(self.dirs[name] / "overhead.json"), None
-            else:
-                cmd, env = _example_command(self.dirs[name] / "run", *overrides), _env()
-            pipe = subprocess.PIPE
-            self.procs[name] = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=pipe, stderr=pipe, text=True)
+    started: Started
+    root: Path
 
     def wait(self, name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
         """The finished run of test ``name`` and the directory its outputs are under."""
-        proc = self.procs.pop(name)
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), self.dirs[name]
-
-    def close(self) -> None:
-        for proc in self.procs.values():  # runs whose test did not wait for them (an interrupted session)
-            proc.kill()
-            proc.communicate()
+        return self.started.wait(name), self.root / name
 
 
 @pytest.fixture(scope="module")
-def started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
-    module = request.module
-    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is module}
-    runs = Started(tmp_path_factory.mktemp("examples"), selected)
-    yield runs
+def started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    root = tmp_path_factory.mktemp("examples")
+    commands = {}
+    for name in selected_tests(request) & set(ONE_PROCESS_RUNS):
+        (root / name).mkdir()
+        overrides = ONE_PROCESS_RUNS[name]
+        if overrides is None:
+            commands[name] = Command(args=_overhead_command(root / name / "overhead.json"), cwd=REPO_ROOT)
+        else:
+            commands[name] = Command(args=_example_command(root / name / "run", *overrides), env=_env(), cwd=REPO_ROOT)
+    runs = Started(commands)
+    yield Runs(started=runs, root=root)
     runs.close()
 
 
@@ -114,7 +99,7 @@ def _explain(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.mark.slow
-def test_tiny_run_with_patrickstar_prints_report_and_saves_a_plain_checkpoint(started: Started) -> None:
+def test_tiny_run_with_patrickstar_prints_report_and_saves_a_plain_checkpoint(started: Runs) -> None:
     proc, where = started.wait("test_tiny_run_with_patrickstar_prints_report_and_saves_a_plain_checkpoint")
     run_dir = where / "run"
     assert proc.returncode == 0, _explain(proc)
@@ -136,7 +121,7 @@ def test_tiny_run_with_patrickstar_prints_report_and_saves_a_plain_checkpoint(st
 
 
 @pytest.mark.slow
-def test_tiny_run_with_sharded_checkpoints_samples_from_the_consolidated_file(started: Started) -> None:
+def test_tiny_run_with_sharded_checkpoints_samples_from_the_consolidated_file(started: Runs) -> None:
     proc, where = started.wait("test_tiny_run_with_sharded_checkpoints_samples_from_the_consolidated_file")
     run_dir = where / "run"
     assert proc.returncode == 0, _explain(proc)
@@ -163,7 +148,7 @@ def test_two_ranks_print_once_with_a_line_per_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_run_with_plain_lightning(started: Started) -> None:
+def test_tiny_run_with_plain_lightning(started: Runs) -> None:
     proc, where = started.wait("test_tiny_run_with_plain_lightning")
     assert proc.returncode == 0, _explain(proc)
     assert "memory report" not in proc.stdout.lower()
@@ -175,7 +160,7 @@ def test_tiny_run_with_plain_lightning(started: Started) -> None:
 
 
 @pytest.mark.slow  # the example end to end; tests/unit/test_config.py checks the misspelled key is named
-def test_misspelled_strategy_option_fails_naming_it(started: Started) -> None:
+def test_misspelled_strategy_option_fails_naming_it(started: Runs) -> None:
     proc, where = started.wait("test_misspelled_strategy_option_fails_naming_it")  # with MISSPELLED
     assert proc.returncode != 0, _explain(proc)
     output = proc.stdout + proc.stderr
@@ -188,7 +173,7 @@ def test_misspelled_strategy_option_fails_naming_it(started: Started) -> None:
 
 
 @pytest.mark.slow
-def test_overhead_benchmark_runs_both_strategies_and_writes_json(started: Started) -> None:
+def test_overhead_benchmark_runs_both_strategies_and_writes_json(started: Runs) -> None:
     proc, where = started.wait("test_overhead_benchmark_runs_both_strategies_and_writes_json")
     out = where / "overhead.json"
     assert proc.returncode == 0, _explain(proc)
