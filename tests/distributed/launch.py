@@ -3,10 +3,10 @@
 A multi-process test is only worth something if a crashed or stuck rank fails it. Every
 distributed test starts its processes through this module:
 
-- :func:`run_ranks` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh ``spawn`` processes with the
-  environment of one node of a torch.distributed job (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-  ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``), so a Trainer with ``devices=world_size`` joins them as torchrun's
-  processes, and returns the ranks' return values in rank order.
+- :func:`run_ranks` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (see the note on the
+  fork server) with the environment of one node of a torch.distributed job (``MASTER_ADDR``, ``MASTER_PORT``,
+  ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``), so a Trainer with ``devices=world_size`` joins them
+  as torchrun's processes, and returns the ranks' return values in rank order.
 - :func:`run_isolated` runs ``fn(*args)`` in one fresh process without that environment, for code that
   launches its own ranks (``Trainer(strategy="patrickstar_spawn")``).
 - :func:`run_commands` runs command lines (one per rank or node) with ``subprocess.Popen``.
@@ -17,8 +17,9 @@ failure the other ranks get ``grace`` seconds to end by themselves (so a test ca
 failure from one that hung), then they are killed. A run that outlasts ``timeout`` is killed and raises
 :class:`WorkerTimeout` with each rank's Python stack at the moment (from ``faulthandler``).
 
-[Note: the timeout starts when the rank is ready] A ``spawn`` worker first starts an interpreter and imports the
-test module and its arguments' modules (torch, Lightning): seconds on an idle machine, far more on a loaded one.
+[Note: the timeout starts when the rank is ready] A worker first starts an interpreter (or is forked from the fork
+server, see its note) and imports the test module and its arguments' modules (torch, Lightning where they are not
+preloaded): seconds on an idle machine, far more on a loaded one.
 So in :func:`run_ranks` and :func:`run_isolated` a rank's ``timeout`` counts from the moment it starts running
 ``fn`` (it writes that moment to a file, the readiness signal), not from the launch; a rank that is not ready
 ``STARTUP_TIMEOUT_S`` after the launch counts as hung in its imports. At the timeout the launcher waits for the
@@ -27,6 +28,18 @@ the stack always shows where the rank was. Commands (:func:`run_commands`) time 
 process starts
 its own session, so killing it also kills the processes it started (Lightning's spawned ranks). Workers use one
 intra-op thread (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``): two ranks share two cores.
+
+[Note: a fork server that has imported torch and Lightning] A worker is a ``spawn``-style child: it unpickles
+``fn`` and its arguments, gets the test process's ``sys.path`` and imports the test module, and shares no state
+with the test process. Importing torch and Lightning alone takes about 5 s of CPU per process, which was most of
+a launch on 2 cores and, over the 20-odd launches of the full suite, more than a minute. So where CUDA is not
+available the workers come from a ``forkserver`` that imported torch and Lightning once per test session
+(``set_forkserver_preload``; importing them starts no thread and touches no device): each worker is forked from
+it with those modules loaded and nothing run, then prepared as a spawn child. The package under test is not
+preloaded: the fork server's own ``sys.path`` is not the test process's (Python 3.11 ignores the one it is
+given), so it could import another installed copy; the workers import it after their preparation. Where CUDA is
+available the workers are spawned, as before: a process forked after a parent touched CUDA cannot use it, and
+nothing checks that the imports never do. ``PSTAR_TEST_START_METHOD=spawn`` (or ``forkserver``) forces one.
 """
 
 from __future__ import annotations
@@ -65,6 +78,8 @@ STARTUP_TIMEOUT_S = 300.0  # from the launch until a spawned rank runs fn (see t
 _STACK_WAIT_S = 60.0  # at most this long past the timeout for a ready rank's stack dump before the kill
 _DUMP_LEAD_S = 2.0  # faulthandler dumps the stacks this long before the timeout
 _POLL_S = 0.05
+_PRELOAD = ("torch", "torch.distributed", "lightning", "lightning.pytorch", "lightning.fabric")
+"""What the fork server imports once (see the note on the fork server); never the package under test."""
 _TAIL_CHARS = 6000
 
 
@@ -316,6 +331,22 @@ def _raise_if_failed(outcomes: list[RankOutcome], *, timed_out: bool, timeout: f
     raise WorkerFailure(f"{what}: ranks {failed} of {len(outcomes)} failed", outcomes)
 
 
+def _context() -> Any:
+    """The multiprocessing context the workers start from: [Note: a fork server that has imported torch and
+    Lightning]."""
+    method = os.environ.get("PSTAR_TEST_START_METHOD")
+    if method is None:
+        import torch  # the test process has imported it already (tests/conftest.py)
+
+        method = "spawn" if torch.cuda.is_available() else "forkserver"
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"PSTAR_TEST_START_METHOD={method!r}: expected 'spawn' or 'forkserver'")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(_PRELOAD))  # takes effect when the server starts: the first launch
+    return ctx
+
+
 def _spawn(
     fn: Callable[..., Any],
     per_rank: Sequence[tuple[tuple[Any, ...], dict[str, str]]],
@@ -324,7 +355,7 @@ def _spawn(
     grace: float,
     what: str,
 ) -> list[RankOutcome]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="pstar-ranks-") as tmp:
         procs: list[_SpawnProc] = []
         start = time.monotonic()

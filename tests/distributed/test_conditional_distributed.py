@@ -6,11 +6,15 @@ ZeRO data parallelism each rank gathers the chunks a module needs from its peers
 rank that skips a module another rank runs must neither wait forever for a collective its peer never starts nor
 pair its collective with a different one of its peer's (which would exchange the wrong chunks silently).
 
-Reference: Lightning's ``ddp_spawn`` with ``find_unused_parameters=True``. DDP averages the gradient of an expert
+Reference: Lightning's ``ddp`` with ``find_unused_parameters=True``. DDP averages the gradient of an expert
 used on one rank with the other rank's zero, and leaves an expert used on no rank without a gradient, so AdamW
-neither counts nor applies a step for it. PatrickStar (``patrickstar_spawn``) must give the same losses on every
+neither counts nor applies a step for it. PatrickStar (``patrickstar``) must give the same losses on every
 rank within 1e-5, the same AdamW step counts, and leave globally unused experts untouched. All runs go one after
-the other in one isolated driver process under a hard timeout; any rank's failure is re-raised in the test.
+the other in one launch of two ranks (``launch.run_ranks``, a torchrun-style environment that both strategies
+join) under a hard timeout; any rank's failure is re-raised in the test. [Note: they ran through the spawn
+launchers from one isolated driver until the full suite's time was trimmed: four spawned trainings cost about
+25 s more than the same runs in launched ranks; tests/distributed/test_dp_parity.py keeps a ``patrickstar_spawn``
+against ``ddp_spawn`` parity case.]
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import run_isolated
+from launch import run_ranks
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -43,7 +47,7 @@ BATCH = 2  # per rank
 LOSS_RTOL = 1e-5
 # a collective that its peer never joins fails after this long (gloo raises) instead of hanging the run
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-RUN_TIMEOUT_S = 600.0  # the hard limit of the isolated driver (four runs of two spawned ranks): only a hang
+RUN_TIMEOUT_S = 600.0  # the hard limit of the launch (four runs in the same two ranks): only a hang
 # the expert of every token of sequence j; an unshuffled DistributedSampler gives rank r the sequences r, r + 2,
 # r + 4, ..., so step k reads sequences 4k, 4k + 2 on rank 0 and 4k + 1, 4k + 3 on rank 1
 PATTERN = [0, 1, 0, 1, 2, 2, 0, 3, 0, 3, 1, 3, 0, 2, 1, 3, 3, 3, 2, 3, 0, 1, 2, 2]
@@ -87,7 +91,7 @@ class MoE(nn.Module):
 class Spec:
     tag: str
     out_dir: str
-    strategy: str  # "ddp_spawn" or "patrickstar_spawn"
+    strategy: str  # "ddp" or "patrickstar"
     chunk_size: int | None = None
     bucket_bytes: int | None = None  # None: the default buckets
 
@@ -112,7 +116,7 @@ class MoEModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         torch.set_num_threads(1)  # two ranks share two cores
-        destroy_process_groups_at_exit()  # ddp_spawn's gloo ranks: [Note: process groups at exit]
+        destroy_process_groups_at_exit()  # ddp's gloo groups too: [Note: process groups at exit]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -174,16 +178,17 @@ class MoEModule(L.LightningModule):
         return self.train_dataloader()
 
 
-def fit_all(specs: list[Spec]) -> None:
-    """Runs in the isolated driver: each spawn strategy starts its own two ranks."""
+def fit_in_rank(rank: int, world_size: int, specs: list[Spec]) -> None:
+    """For ``launch.run_ranks``: the environment names this rank, so each Trainer joins it."""
+    assert world_size == 2
     for spec in specs:
-        if spec.strategy == "ddp_spawn":
-            strategy: Any = DDPStrategy(start_method="spawn", find_unused_parameters=True, timeout=COLLECTIVE_TIMEOUT)
+        if spec.strategy == "ddp":
+            strategy: Any = DDPStrategy(find_unused_parameters=True, timeout=COLLECTIVE_TIMEOUT)
         else:
             options: dict[str, Any] = {} if spec.chunk_size is None else {"chunk_size": spec.chunk_size}
             if spec.bucket_bytes is not None:
                 options["bucket_bytes"] = spec.bucket_bytes
-            strategy = PatrickStarStrategy(start_method="spawn", timeout=COLLECTIVE_TIMEOUT, **options)
+            strategy = PatrickStarStrategy(timeout=COLLECTIVE_TIMEOUT, **options)
         trainer = L.Trainer(
             accelerator="cpu",
             devices=2,
@@ -228,16 +233,16 @@ LAYOUTS = {"default-chunks": (None, None), "expert-per-group": (64, 0), "expert-
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """The ddp reference and the PatrickStar run of every layout, one after the other in one isolated driver (each
-    spawn strategy starts its own two ranks): the driver's start-up, Lightning's import, is paid once, not four
-    times. A run that fails fails every test of the module, naming its traceback."""
+    """The ddp reference and the PatrickStar run of every layout, one after the other in one launch of two ranks:
+    the ranks' start-up, Lightning's import, is paid once, not four times. A run that fails fails every test of
+    the module, naming its traceback."""
     out = str(tmp_path_factory.mktemp("conditional"))
-    specs = [Spec(tag="ddp", out_dir=out, strategy="ddp_spawn")]
+    specs = [Spec(tag="ddp", out_dir=out, strategy="ddp")]
     for tag, (chunk_size, bucket_bytes) in LAYOUTS.items():
         specs.append(
-            Spec(tag=tag, out_dir=out, strategy="patrickstar_spawn", chunk_size=chunk_size, bucket_bytes=bucket_bytes)
+            Spec(tag=tag, out_dir=out, strategy="patrickstar", chunk_size=chunk_size, bucket_bytes=bucket_bytes)
         )
-    run_isolated(fit_all, specs, timeout=RUN_TIMEOUT_S)
+    run_ranks(fit_in_rank, 2, specs, timeout=RUN_TIMEOUT_S)
     return {spec.tag: read(spec) for spec in specs}
 
 

@@ -9,6 +9,9 @@ weights close to ddp's. Then a sharded checkpoint written by both ranks at step 
 gathered to rank 0, resume bit for bit, and
 ``fabric.all_reduce`` / ``fabric.barrier`` and the memory reports of both ranks work. The same loop started by
 ``"patrickstar_spawn"`` (Fabric's multiprocessing launcher) gives ddp's losses too.
+
+The same launch also trains the loop of ``fabric_two_nodes_main.py`` once (one node, two processes): the reference
+of the two-node test, which reads it from the module's fixture instead of starting the script once more for it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from fabric_two_nodes_main import COMMON as NODE_COMMON
 from launch import free_port, run_commands, run_isolated, run_ranks
 
 from lightning_pstar import PatrickStarFabricStrategy
@@ -54,6 +58,9 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     strategy = fabric.strategy
     assert isinstance(strategy, PatrickStarFabricStrategy)
     reports = strategy.memory_report_all()
+    # the two-node test's reference: its script's loop, here at one node with two processes
+    one_node = train(LoopSpec(strategy=PatrickStarFabricStrategy(chunk_size=CHUNK), devices=WORLD, **NODE_COMMON))
+    assert one_node.fabric is not None
     resumes = {}
     for layout in ("sharded", "consolidated"):
         path = Path(out_dir) / layout
@@ -72,12 +79,25 @@ def _rank(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         "all_reduce": float(total),
         "report_ranks": [r.rank for r in reports],
         "resumes": resumes,
+        "one_node": {
+            "rank": one_node.fabric.global_rank,
+            "world_size": one_node.fabric.world_size,
+            "node_rank": one_node.fabric.node_rank,
+            "losses": one_node.losses,
+            "norms": one_node.grad_norms,
+        },
     }
 
 
+@pytest.fixture(scope="module")
+def ranks_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What :func:`_rank` returned on each rank (one launch for both tests of the module)."""
+    return run_ranks(_rank, WORLD, str(tmp_path_factory.mktemp("fabric")))
+
+
 @pytest.mark.slow
-def test_fabric_parity_with_ddp_at_two_ranks(tmp_path: Path) -> None:
-    results = run_ranks(_rank, WORLD, str(tmp_path))
+def test_fabric_parity_with_ddp_at_two_ranks(ranks_results: list[dict[str, Any]]) -> None:
+    results = ranks_results
     for rank, r in enumerate(results):
         diff = max_rel_diff(r["got"], r["ref"])
         print(f"fabric rank {rank}: max relative loss difference against ddp {diff:.3e}")
@@ -109,23 +129,24 @@ def _spawned() -> list[float]:
 
 
 @pytest.mark.slow
-def test_fabric_two_nodes_match_one_node_with_two_processes(tmp_path: Path) -> None:
+def test_fabric_two_nodes_match_one_node_with_two_processes(
+    ranks_results: list[dict[str, Any]], tmp_path: Path
+) -> None:
     """Two "nodes" started as separate programs with a scheduler's environment (``NODE_RANK``, ``LOCAL_RANK=0``,
     ``WORLD_SIZE=2``), ``Fabric(num_nodes=2, devices=1)``: every rank's losses and returned gradient norms equal
-    those of a one-node, two-process run of the same loop (the same rank layout, so the same arithmetic)."""
+    those of a one-node, two-process run of the same loop (the same rank layout, so the same arithmetic): the
+    module's launch of two ranks trains that loop too (the script's ``COMMON``, the same strategy)."""
     script = str(Path(__file__).resolve().parent / "fabric_two_nodes_main.py")
-    nodes, local = tmp_path / "nodes", tmp_path / "local"
+    nodes = tmp_path / "nodes"
     nodes.mkdir()
-    local.mkdir()
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     command = [sys.executable, script, str(nodes), "2", "1"]
     outcomes = run_commands([command, command], [{**base, "NODE_RANK": "0"}, {**base, "NODE_RANK": "1"}])
     assert [o.exitcode for o in outcomes] == [0, 0]
-    one_node = run_commands([[sys.executable, script, str(local), "1", "2"]], [{}])
-    assert [o.exitcode for o in one_node] == [0]
     for rank in range(WORLD):
         got = json.loads((nodes / f"rank{rank}.json").read_text())
-        want = json.loads((local / f"rank{rank}.json").read_text())
+        want = ranks_results[rank]["one_node"]
+        assert (want["rank"], want["world_size"]) == (rank, WORLD)
         assert (got["rank"], got["world_size"], got["node_rank"]) == (rank, WORLD, rank)
         assert want["node_rank"] == 0
         assert len(got["losses"]) == 3 * 2

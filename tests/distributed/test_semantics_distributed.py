@@ -2,8 +2,9 @@
 
 Manual optimization with two optimizers (one backward, and the GAN pattern with ``toggle_optimizer``), manual
 clipping, manual gradient accumulation with a schedule stepped by hand, ``nn.TransformerEncoder`` and a bare
-``nn.MultiheadAttention``. Both sides run in the same two processes that the test's launcher starts with a
-torchrun-style environment (``ddp`` and ``patrickstar`` join them; any rank's failure is re-raised here), on the
+``nn.MultiheadAttention``. Both sides of every case, of every test here, run one after the other in the same two
+processes that the test's launcher starts once for the module with a torchrun-style environment (``ddp`` and
+``patrickstar`` join them; any rank's failure is re-raised here, and fails every test of the module), on the
 same data (Lightning injects the same seeded DistributedSampler for both: rank r gets r, r + 2, ... of the epoch's
 permutation).
 Every loss on every rank within 1e-5 (relative) of ddp's, and the final weights close to ddp's. Small chunks
@@ -34,7 +35,7 @@ from tests.helpers.data import make_dataset
 from tests.helpers.runs import LM, LossRecorder, quiet_trainer_options
 from tests.helpers.semantics import ATTENTION_MODELS, ManualLM, ManualSpec, max_abs_diff
 
-# two spawned gloo ranks per test; tests/integration/test_training_semantics.py runs the same modules at one rank
+# two spawned gloo ranks; tests/integration/test_training_semantics.py runs the same modules at one rank
 pytestmark = pytest.mark.slow
 
 WORLD = 2
@@ -43,7 +44,7 @@ BATCHES = 6
 BATCH_SIZE = 4
 # a collective its peer never joins fails after this long (gloo raises) instead of hanging the run
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-RUN_TIMEOUT_S = 240.0  # the hard limit of one pair of ranks, far above a normal run
+RUN_TIMEOUT_S = 600.0  # the hard limit of the module's pair of ranks (18 runs), far above a normal run
 
 
 @dataclass(kw_only=True)
@@ -131,7 +132,8 @@ def run_pairs(
     """For each case a ddp run and a PatrickStar run (the same keywords), and for each of ``ddp_only`` a ddp run,
     all in one pair of ranks. Returns (ddp, patrickstar) per case, and the ddp-only outcomes."""
     runs: list[Run] = []
-    for name, kwargs in cases.items():
+    for name, case in cases.items():
+        kwargs = dict(case)
         chunk_size = kwargs.pop("chunk_size", None)
         runs.append(Run(tag=f"{name}-ddp", out_dir=str(tmp_path), strategy="ddp", **kwargs))
         runs.append(
@@ -183,68 +185,88 @@ def assert_changed(outcome: Outcome, prefix: str, *, what: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_two_optimizers_distributed(tmp_path: Path) -> None:
+# the cases of every test below; the module's fixture trains them all in one launch
+TWO_OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "one-backward": {"manual": ManualSpec(pattern="one_backward", decoder_first=True), "chunk_size": 2200},
+    "gan": {"manual": ManualSpec(pattern="gan"), "chunk_size": 2200},
+}
+CLIPPING: dict[str, dict[str, Any]] = {
+    "norm": {
+        "manual": ManualSpec(pattern="single", optims=("sgd",), clip_val=0.5, clip_algorithm="norm"),
+        "chunk_size": 2200,
+    },
+    "value": {
+        "manual": ManualSpec(pattern="single", optims=("adamw",), clip_val=0.02, clip_algorithm="value"),
+        "chunk_size": 2200,
+    },
+}
+UNCLIPPED: dict[str, dict[str, Any]] = {  # ddp only
+    "unclipped-sgd": {"manual": ManualSpec(pattern="single", optims=("sgd",))},
+    "unclipped-adamw": {"manual": ManualSpec(pattern="single", optims=("adamw",))},
+}
+ACCUMULATION: dict[str, dict[str, Any]] = {
+    "accumulate-3-sgd": {
+        "manual": ManualSpec(pattern="single", optims=("sgd",), accumulate=3, cosine_t_max=BATCHES // 3),
+        "chunk_size": 2200,
+    },
+    "accumulate-2-adam": {
+        "manual": ManualSpec(pattern="single", optims=("adam",), accumulate=2, cosine_t_max=BATCHES // 2),
+        "chunk_size": 2200,
+    },
+}
+ATTENTION: dict[str, dict[str, Any]] = {
+    "transformer_encoder": {"model": "transformer_encoder", "optim": "adamw", "chunk_size": 4096},
+    "multihead_attention": {"model": "multihead_attention", "optim": "sgd", "chunk_size": 1100},
+}
+
+Pairs = dict[str, tuple[Outcome, Outcome]]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pairs, dict[str, Outcome]]:
+    """Every case of the module in one launch of two ranks: the ranks' start-up is paid once, not per test."""
+    cases = {**TWO_OPTIMIZERS, **CLIPPING, **ACCUMULATION, **ATTENTION}
+    return run_pairs(tmp_path_factory.mktemp("semantics"), cases, ddp_only=UNCLIPPED)
+
+
+def _pairs(outcomes: tuple[Pairs, dict[str, Outcome]], cases: dict[str, dict[str, Any]]) -> Pairs:
+    return {name: outcomes[0][name] for name in cases}
+
+
+def test_two_optimizers_distributed(outcomes: tuple[Pairs, dict[str, Outcome]]) -> None:
     """Adam on the encoder, SGD with momentum on the decoder: one backward and both steps (decoder first), and
     the GAN pattern (two losses, two backwards, toggled optimizers), with 2200-element chunks (each Linear in a
     chunk of its own, owned by alternating ranks)."""
-    cases = {
-        "one-backward": {"manual": ManualSpec(pattern="one_backward", decoder_first=True), "chunk_size": 2200},
-        "gan": {"manual": ManualSpec(pattern="gan"), "chunk_size": 2200},
-    }
-    for name, (ref, got) in run_pairs(tmp_path, cases)[0].items():
+    for name, (ref, got) in _pairs(outcomes, TWO_OPTIMIZERS).items():
         assert ref.records[0]["global_step"] == 2 * BATCHES, name
         assert_ddp_parity(ref, got, what=name)
         assert_changed(got, "net.encoder.", what=name)
         assert_changed(got, "net.decoder.", what=name)
 
 
-def test_manual_clipping_distributed(tmp_path: Path) -> None:
+def test_manual_clipping_distributed(outcomes: tuple[Pairs, dict[str, Outcome]]) -> None:
     """``self.clip_gradients`` by norm (SGD with momentum: the norm is global over both ranks' shards) and by value
     (AdamW) before ``opt.step()``; a plain ddp run without clipping shows that both clip."""
-    norm = ManualSpec(pattern="single", optims=("sgd",), clip_val=0.5, clip_algorithm="norm")
-    value = ManualSpec(pattern="single", optims=("adamw",), clip_val=0.02, clip_algorithm="value")
-    cases = {
-        "norm": {"manual": norm, "chunk_size": 2200},
-        "value": {"manual": value, "chunk_size": 2200},
-    }
-    unclipped = {
-        "unclipped-sgd": {"manual": ManualSpec(pattern="single", optims=("sgd",))},
-        "unclipped-adamw": {"manual": ManualSpec(pattern="single", optims=("adamw",))},
-    }
-    outcomes, references = run_pairs(tmp_path, cases, ddp_only=unclipped)
+    references = outcomes[1]
     for name, plain in (("norm", "unclipped-sgd"), ("value", "unclipped-adamw")):
-        ref, got = outcomes[name]
+        ref, got = outcomes[0][name]
         assert ref.records[0]["losses"] != references[plain].records[0]["losses"], f"{name}: clipping changes nothing"
         assert_ddp_parity(ref, got, what=f"clip {name}")
 
 
-def test_manual_accumulation_distributed(tmp_path: Path) -> None:
+def test_manual_accumulation_distributed(outcomes: tuple[Pairs, dict[str, Outcome]]) -> None:
     """``manual_backward(loss / 3)`` every batch, a step, ``zero_grad`` and a cosine schedule's ``step()`` every 3
     batches (SGD with momentum, and Adam accumulating 2)."""
-    cases = {
-        "accumulate-3-sgd": {
-            "manual": ManualSpec(pattern="single", optims=("sgd",), accumulate=3, cosine_t_max=BATCHES // 3),
-            "chunk_size": 2200,
-        },
-        "accumulate-2-adam": {
-            "manual": ManualSpec(pattern="single", optims=("adam",), accumulate=2, cosine_t_max=BATCHES // 2),
-            "chunk_size": 2200,
-        },
-    }
-    for name, (ref, got) in run_pairs(tmp_path, cases)[0].items():
+    for name, (ref, got) in _pairs(outcomes, ACCUMULATION).items():
         n = 3 if "3" in name else 2
         assert ref.records[0]["global_step"] == BATCHES // n, name
         assert len(set(ref.records[0]["lrs"])) > 1, f"{name}: the schedule did not move the learning rate"
         assert_ddp_parity(ref, got, what=name)
 
 
-def test_attention_models_distributed(tmp_path: Path) -> None:
+def test_attention_models_distributed(outcomes: tuple[Pairs, dict[str, Outcome]]) -> None:
     """``nn.TransformerEncoder`` (AdamW) and a bare ``nn.MultiheadAttention`` (SGD with momentum, its
     ``out_proj`` weights read by the attention's own forward, on every rank in the same collective order)."""
-    cases = {
-        "transformer_encoder": {"model": "transformer_encoder", "optim": "adamw", "chunk_size": 4096},
-        "multihead_attention": {"model": "multihead_attention", "optim": "sgd", "chunk_size": 1100},
-    }
-    for name, (ref, got) in run_pairs(tmp_path, cases)[0].items():
+    for name, (ref, got) in _pairs(outcomes, ATTENTION).items():
         assert ref.records[0]["global_step"] == BATCHES, name
         assert_ddp_parity(ref, got, what=name)

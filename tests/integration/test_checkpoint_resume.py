@@ -29,6 +29,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -435,45 +436,91 @@ def _digest(path: Path) -> dict[str, str]:
     return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
-def _kill_in_the_middle_of_a_save(fmt: str, where: str, tmp_path: Path) -> tuple[Path, str]:
-    script = tmp_path / "writer.py"
+KILL_CASES = [("consolidated", "write"), ("sharded", "write"), ("sharded", "between-renames")]
+
+
+@dataclass
+class _Writer:
+    """A started writer (``_WRITER``) and its directory: ``ckpts/last.ckpt``, ``markers/``, ``writer.log``."""
+
+    proc: subprocess.Popen[bytes]
+    root: Path
+
+    @property
+    def target(self) -> Path:
+        return self.root / "ckpts" / "last.ckpt"
+
+
+def _start_writer(fmt: str, where: str, root: Path) -> _Writer:
+    script = root / "writer.py"
     script.write_text(_WRITER.format(here=str(HERE)))
-    target, markers = tmp_path / "ckpts" / "last.ckpt", tmp_path / "markers"
+    markers = root / "markers"
     markers.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env["OMP_NUM_THREADS"] = "1"
-    log = tmp_path / "writer.log"
-    with open(log, "wb") as out:
+    with open(root / "writer.log", "wb") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, str(script), fmt, where, str(target), str(markers)],
+            [sys.executable, str(script), fmt, where, str(root / "ckpts" / "last.ckpt"), str(markers)],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        try:
-            deadline = time.monotonic() + WRITER_DEADLINE_S
-            while not (markers / "killme").exists():
-                assert proc.poll() is None, f"the writer exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
-                assert time.monotonic() < deadline, f"the writer never reached the save:\n{log.read_text()[-4000:]}"
-                time.sleep(0.05)
-            os.kill(proc.pid, signal.SIGKILL)
-            assert proc.wait(timeout=30) == -signal.SIGKILL
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-    return target, (markers / "killme").read_text()
+    return _Writer(proc=proc, root=root)
+
+
+def _stop(writer: _Writer) -> None:
+    if writer.proc.poll() is None:
+        os.killpg(writer.proc.pid, signal.SIGKILL)
+        writer.proc.wait(timeout=30)
+
+
+def _kill_in_the_middle_of_a_save(writer: _Writer) -> tuple[Path, str]:
+    """Wait until the writer blocks inside its second save, then SIGKILL it; the target and what it said."""
+    proc, markers, log = writer.proc, writer.root / "markers", writer.root / "writer.log"
+    try:
+        deadline = time.monotonic() + WRITER_DEADLINE_S
+        while not (markers / "killme").exists():
+            assert proc.poll() is None, f"the writer exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"the writer never reached the save:\n{log.read_text()[-4000:]}"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        _stop(writer)
+    return writer.target, (markers / "killme").read_text()
+
+
+@pytest.fixture(scope="module")
+def writers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Any, _Writer]]:
+    """The writers of the selected kill cases, started together (one interpreter on one core each, blocked once
+    they reach the save: [Note: one-process runs started together] in tests/helpers/together.py)."""
+    name = "test_kill_during_save_keeps_previous_checkpoint"
+    cases = {
+        (item.callspec.params["fmt"], item.callspec.params["where"])
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and item.originalname == name
+    }
+    started: dict[Any, _Writer] = {}
+    try:
+        for fmt, where in KILL_CASES:
+            if (fmt, where) in cases:
+                started[(fmt, where)] = _start_writer(fmt, where, tmp_path_factory.mktemp(f"writer-{fmt}-{where}"))
+        yield started
+    finally:
+        for writer in started.values():
+            _stop(writer)
 
 
 @pytest.mark.slow  # a Trainer killed in a subprocess; test_checkpoint_safety.py kills every filesystem step quickly
-@pytest.mark.parametrize(
-    ("fmt", "where"), [("consolidated", "write"), ("sharded", "write"), ("sharded", "between-renames")]
-)
-def test_kill_during_save_keeps_previous_checkpoint(fmt: str, where: str, tmp_path: Path) -> None:
-    target, stopped = _kill_in_the_middle_of_a_save(fmt, where, tmp_path)
+@pytest.mark.parametrize(("fmt", "where"), KILL_CASES)
+def test_kill_during_save_keeps_previous_checkpoint(
+    fmt: str, where: str, writers: dict[Any, _Writer], tmp_path: Path
+) -> None:
+    writer = writers[(fmt, where)]
+    target, stopped = _kill_in_the_middle_of_a_save(writer)
     print(f"{fmt}/{where}: killed with SIGKILL, {stopped}")
-    first = json.loads((tmp_path / "markers" / "first.json").read_text())
+    first = json.loads((writer.root / "markers" / "first.json").read_text())
     leftovers = sorted(p.name for p in target.parent.iterdir() if p.name != target.name)
     # the final name holds exactly the previous checkpoint: nothing half-written carries it
     assert target.exists(), f"'{target.name}' is gone after a crash mid-save; the directory holds {leftovers}"

@@ -1,16 +1,20 @@
 """benchmarks/disk_tier.py end to end, in a subprocess as a user runs it: ``--tiny`` into a temp directory, its JSON
-checked for the published keys and types, and nothing left in the measured directory."""
+checked for the published keys and types, and nothing left in the measured directory; ``--quick`` trains with the
+disk tier. The two runs start together from the module's fixture (each measures and trains in a directory of its
+own; no assertion is on a speed): [Note: one-process runs started together] in tests/helpers/together.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers.together import Command, Started, selected_tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 900
@@ -44,15 +48,41 @@ def _check(record: dict[str, Any], expected: dict[str, Any], where: str) -> None
         assert isinstance(value, kind) and not (kind is int and isinstance(value, bool)), f"{where}: {key}={value!r}"
 
 
-@pytest.mark.slow
-def test_disk_tier_benchmark_tiny_writes_complete_json_and_leaves_nothing(tmp_path: Path) -> None:
-    measured, out = tmp_path / "disk", tmp_path / "disk_tier.json"
-    measured.mkdir()
+MODES = {
+    "test_disk_tier_benchmark_tiny_writes_complete_json_and_leaves_nothing": "--tiny",
+    "test_disk_tier_benchmark_quick_trains_with_the_disk_tier_only": "--quick",
+}
+
+
+@pytest.fixture(scope="module")
+def started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Started, Path]]:
+    """The benchmark runs of the selected tests, started together; ``<root>/<test name>/{disk,disk_tier.json}``."""
+    root = tmp_path_factory.mktemp("disk-benchmark")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    args = [sys.executable, "benchmarks/disk_tier.py", "--tiny", "--dir", str(measured), "--json", str(out)]
-    done = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
+    commands = {}
+    for name in selected_tests(request) & set(MODES):
+        measured, out = root / name / "disk", root / name / "disk_tier.json"
+        measured.mkdir(parents=True)
+        args = [sys.executable, "benchmarks/disk_tier.py", MODES[name], "--dir", str(measured), "--json", str(out)]
+        commands[name] = Command(args=args, env=env, cwd=REPO_ROOT)
+    runs = Started(commands)
+    yield runs, root
+    runs.close()
+
+
+def _finished(started: tuple[Started, Path], name: str) -> tuple[Any, Path, Path]:
+    """The run of test ``name`` (exit code 0 asserted), its measured directory and its JSON file."""
+    runs, root = started
+    done = runs.wait(name, timeout=HANG_S)
+    args = done.args
     assert done.returncode == 0, f"{args!r} exited with {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done, root / name / "disk", root / name / "disk_tier.json"
+
+
+@pytest.mark.slow
+def test_disk_tier_benchmark_tiny_writes_complete_json_and_leaves_nothing(started: tuple[Started, Path]) -> None:
+    done, measured, out = _finished(started, "test_disk_tier_benchmark_tiny_writes_complete_json_and_leaves_nothing")
     for line in ("ceiling", "DiskStore, aligned", "DiskStore / ceiling", "load average before", "page cache growth"):
         assert line in done.stdout, done.stdout
     result = json.loads(out.read_text())
@@ -85,15 +115,9 @@ TRAIN_RUN_KEYS = {
 
 
 @pytest.mark.slow
-def test_disk_tier_benchmark_quick_trains_with_the_disk_tier_only(tmp_path: Path) -> None:
+def test_disk_tier_benchmark_quick_trains_with_the_disk_tier_only(started: tuple[Started, Path]) -> None:
     """Part 2 (``--quick``): the tiny GPT completes its steps with the disk tier; without it setup refuses."""
-    measured, out = tmp_path / "disk", tmp_path / "disk_tier.json"
-    measured.mkdir()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    args = [sys.executable, "benchmarks/disk_tier.py", "--quick", "--dir", str(measured), "--json", str(out)]
-    done = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
-    assert done.returncode == 0, f"{args!r} exited with {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    done, measured, out = _finished(started, "test_disk_tier_benchmark_quick_trains_with_the_disk_tier_only")
     assert "with disk tier:" in done.stdout and "without disk tier: refused at setup" in done.stdout, done.stdout
     training = json.loads(out.read_text())["training"]
     assert training["host_budget_bytes"] < training["optimizer_state_bytes"]

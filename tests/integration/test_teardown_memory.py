@@ -4,18 +4,23 @@ chunks and a full copy of the model at once. Measured in a fresh process: its re
 families, where the copy-everything-then-free order rose by the whole model. The process runs with a fixed
 glibc mmap threshold (``MALLOC_MMAP_THRESHOLD_``): buffers of chunk size are then mapped and unmapped as they
 are allocated and freed, so the figure is what the engine holds, not what glibc's adaptive threshold keeps
-cached in its heap (without it one run in three showed up to seven families retained by malloc)."""
+cached in its heap (without it one run in three showed up to seven families retained by malloc).
+
+The two processes start together from the module's fixture (each measures its own high-water mark): [Note:
+one-process runs started together] in tests/helpers/together.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.together import Command, Started, selected_tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,13 +70,8 @@ def _clear_refs_allowed() -> bool:
 
 @pytest.mark.slow  # a fresh process with a 100 MB model; every quick Trainer test hands weights back
 @pytest.mark.skipif(not _clear_refs_allowed(), reason="/proc/self/clear_refs cannot reset VmHWM here")
-def test_teardown_rss_rise_stays_below_two_chunk_families() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300, env=env, check=False
-    )
+def test_teardown_rss_rise_stays_below_two_chunk_families(started: Started) -> None:
+    done = started.wait("test_teardown_rss_rise_stays_below_two_chunk_families")
     assert done.returncode == 0, done.stdout + done.stderr
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["exact"]  # the module got its weights back, bit for bit
@@ -136,23 +136,32 @@ _SCRIPT_WITH_OPTIMIZER = textwrap.dedent(
 )
 
 
-@pytest.mark.slow  # a fresh process with a 100 MB model; every quick Trainer test hands weights back
-@pytest.mark.skipif(not _clear_refs_allowed(), reason="/proc/self/clear_refs cannot reset VmHWM here")
-def test_hand_back_streams_the_optimizer_states_too() -> None:
-    """The hand-back at teardown gives the user's optimizer its states family by family with the weights: the
-    high-water mark rises by less than two families, where reading every state dict first rose by all the
-    optimizer states (8 bytes per parameter)."""
+def _command(script: str) -> Command:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT_WITH_OPTIMIZER],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
+    return Command(args=[sys.executable, "-c", script], env=env)
+
+
+@pytest.fixture(scope="module")
+def started(request: pytest.FixtureRequest) -> Iterator[Started]:
+    """The scripts of the selected tests, started together; each test waits for its own."""
+    scripts = {
+        "test_teardown_rss_rise_stays_below_two_chunk_families": _SCRIPT,
+        "test_hand_back_streams_the_optimizer_states_too": _SCRIPT_WITH_OPTIMIZER,
+    }
+    runs = Started({name: _command(scripts[name]) for name in selected_tests(request) & set(scripts)})
+    yield runs
+    runs.close()
+
+
+@pytest.mark.slow  # a fresh process with a 100 MB model; every quick Trainer test hands weights back
+@pytest.mark.skipif(not _clear_refs_allowed(), reason="/proc/self/clear_refs cannot reset VmHWM here")
+def test_hand_back_streams_the_optimizer_states_too(started: Started) -> None:
+    """The hand-back at teardown gives the user's optimizer its states family by family with the weights: the
+    high-water mark rises by less than two families, where reading every state dict first rose by all the
+    optimizer states (8 bytes per parameter)."""
+    done = started.wait("test_hand_back_streams_the_optimizer_states_too")
     assert done.returncode == 0, done.stdout + done.stderr
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["exact"]  # weights and optimizer states handed back bit for bit

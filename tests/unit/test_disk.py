@@ -333,29 +333,44 @@ if sys.argv[3] == "kill":
 """
 
 
-def _child(root: Path, name: str, mode: str) -> subprocess.CompletedProcess[str]:
+def _child(root: Path, name: str, mode: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, "-c", _CHILD, str(root), name, mode], env=env, capture_output=True, text=True, timeout=300
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(root), name, mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+
+
+def _finish(child: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = child.communicate(timeout=300)
+    return child.returncode, out, err
 
 
 @pytest.mark.slow  # two child interpreters import Lightning: 10-30 s on 2 busy cores
 def test_killed_run_leaves_a_stale_directory_the_next_run_removes_and_exit_removes_its_own(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    killed = _child(tmp_path, "killed", "kill")
-    assert killed.returncode == -9, killed.stderr
-    left = Path(killed.stdout.strip())
+    # both children at once, each under a root of its own (a DiskStore removes the stale directories of its
+    # root: the exiting child must not be the run that removes the killed child's)
+    killed_root, exited_root = tmp_path / "killed", tmp_path / "exited"
+    killed_root.mkdir()
+    exited_root.mkdir()
+    killed, exited = _child(killed_root, "killed", "kill"), _child(exited_root, "exited", "exit")
+    code, out, err = _finish(killed)
+    assert code == -9, err
+    left = Path(out.strip())
     assert (left / "f0.master.pstar").exists(), "SIGKILL runs no clean-up"
     with caplog.at_level(logging.WARNING, logger="lightning_pstar.runtime.run_directory"):
-        with DiskStore(tmp_path):
+        with DiskStore(killed_root):
             assert not left.exists()
     assert f"Removed the stale disk-tier directory {left}" in caplog.text
-    exited = _child(tmp_path, "exited", "exit")  # leaves without close(): the interpreter's exit removes it
-    assert exited.returncode == 0, exited.stderr
-    assert exited.stdout.strip().endswith("pstar-run-exited")
-    assert list(tmp_path.iterdir()) == []
+    code, out, err = _finish(exited)  # left without close(): the interpreter's exit removes it
+    assert code == 0, err
+    assert out.strip().endswith("pstar-run-exited")
+    assert list(killed_root.iterdir()) == [] and list(exited_root.iterdir()) == []
 
 
 # ---- buffered fallback -------------------------------------------------------------------------------------
