@@ -7,7 +7,8 @@ on torch's own optimizers. Its ``param_groups`` are the user's optimizer's list,
 torch's fused kernels (see :mod:`lightning_pstar.optim.kernels`), run on slot views of the fp32 master,
 gradient and state chunks; the state dict layer is :mod:`lightning_pstar.optim.state_dict`.
 
-A step runs one of three paths per parameter set, all with the same kernels:
+A step runs one of three paths per parameter set, all with the same kernels (the first two are the serial step
+of one family, :mod:`lightning_pstar.optim.serial_step`; its pipelined form is :mod:`lightning_pstar.optim.host_step`):
 
 - whole family (Adam, every record holding exactly this micro-batch's gradient, slots in record order):
   one gradient conversion and one fused call per param group for the whole chunk range;
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,17 +29,16 @@ from torch.optim import Optimizer
 
 import lightning_pstar.optim.kernels as kernels
 from lightning_pstar.config import NonFinite
-from lightning_pstar.optim.grads import family_grads, host_grads, whole_family_grad_range
+from lightning_pstar.optim.grads import family_grads, host_grads
 from lightning_pstar.optim.host_step import host_job
-from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.optim.overlap import StepOverlap
+from lightning_pstar.optim.serial_step import SerialFamilyStep
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.disk_tier import DiskTier
-from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.family import ChunkFamily
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.pipeline import HostJob
-from lightning_pstar.runtime.state import Tier
 
 __all__ = ["ChunkedOptimizer", "GradientPolicy", "NonFiniteStepError", "SUPPORTED_OPTIMIZERS", "StepResult"]
 
@@ -104,8 +103,6 @@ class ChunkedOptimizer(Optimizer):
         self._read_norm: _ReadNorm | None = None  # set by gradient_norm, used by the next step
         self._book = OptimizerBook(is_adam=isinstance(optimizer, torch.optim.Adam))  # AdamW subclasses Adam
         self._state_io = ChunkedStateDict(manager, self._book, self.param_groups)
-        # family id -> how to step it as a whole, None where it cannot be (layout and groups are fixed)
-        self._whole_plans: dict[int, WholeFamilyPlan | None] = {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if manager.is_host_param(p):
@@ -119,6 +116,7 @@ class ChunkedOptimizer(Optimizer):
         own = {r.family.family_id for r in self._records}
         self._families = [f for f in manager.families if f.family_id in own]
         self._own_ids = own
+        self._serial = SerialFamilyStep(self, manager, self._book)  # a family's step where no host job runs
         self.overlap = StepOverlap(self, manager)  # the schedule, the step inside the backward, the tail
         kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if self._book.is_adam else []
         if not self._book.is_adam and any(g["momentum"] != 0 for g in self.param_groups):
@@ -234,7 +232,7 @@ class ChunkedOptimizer(Optimizer):
             if job is not None:
                 self._manager.pipeline.submit(job)
             else:
-                self._step_family(family, coef)
+                self._serial.step_family(family, coef)
 
     def _finish_oldest_disk_job(self, disk: DiskTier) -> None:
         """Finish the disk family's job submitted first (its write-back included): all buffer sets are lent."""
@@ -247,7 +245,7 @@ class ChunkedOptimizer(Optimizer):
         """The pipelined host step of ``family`` (whole-family Adam), or None where the serial step runs."""
         if not self._book.is_adam:
             return None
-        plan = self._whole_family_plan(family)
+        plan = self._serial.whole_family_plan(family)
         if plan is None:
             return None
         manager = self._manager
@@ -354,120 +352,6 @@ class ChunkedOptimizer(Optimizer):
                 kernels.fused_sgd(group, [x], [grad], bufs)
                 if bufs[0] is not None:
                     state["momentum_buffer"] = bufs[0]
-
-    def _step_family(self, family: ChunkFamily, coef: float) -> None:
-        manager = self._manager
-        tier = manager.residency.optimizer_tier_of(family)
-        if tier is Tier.DISK:  # the host step on buffers read from disk, written back after ([Note: disk families])
-            manager.residency.move_param_chunk(family, Tier.HOST)
-            assert manager.disk is not None
-            with manager.disk.loaded(family, write=True):
-                self._step_family_here(family, coef)
-            return
-        if tier is Tier.HOST:
-            manager.residency.move_param_chunk(family, Tier.HOST)  # the update runs where the optimizer states live
-        else:
-            manager.residency.fetch(family, protect={family.family_id})
-        self._step_family_here(family, coef)
-
-    def _step_family_here(self, family: ChunkFamily, coef: float) -> None:
-        """The step of ``family`` on the tier its param chunk and optimizer states are on now."""
-        manager = self._manager
-        if self._book.is_adam and self._step_whole_family(family, coef):
-            return
-        grads = family_grads(family, self._book.group_of, mixed=manager.mixed, inv_scale=self.gradient_policy.inv_scale)
-        if not grads:
-            return
-        kernels.scale_and_clamp(list(grads.values()), coef, self.gradient_policy.clip_value)
-        master = family.chunks.get(ChunkKind.MASTER, family.param_chunk)
-        by_group: dict[int, list[ParamRecord]] = defaultdict(list)
-        for record in family.records:
-            if record.index in grads:
-                by_group[self._book.group_of[record.index]].append(record)
-        for gi, records in sorted(by_group.items()):
-            params = [master.slot_view(r.slot) for r in records]
-            device = params[0].device
-            group_grads = [
-                grads[r.index] if grads[r.index].device == device else grads[r.index].to(device) for r in records
-            ]
-            self._update_records(self.param_groups[gi], family, records, params, group_grads)
-        if manager.mixed:
-            for record in family.records:
-                if record.index in grads:
-                    family.param_chunk.slot_view(record.slot).copy_(master.slot_view(record.slot))
-                    manager.slot_holds_weight(record)  # the parameter points at the new weight again
-
-    def _update_records(
-        self,
-        group: dict[str, Any],
-        family: ChunkFamily,
-        records: list[ParamRecord],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-    ) -> None:
-        """The kernel of the user's optimizer on some records of one param group (their master slots)."""
-        book = self._book
-        if book.is_adam:
-            exp_avg = family.chunks[ChunkKind.EXP_AVG]
-            exp_avg_sq = family.chunks[ChunkKind.EXP_AVG_SQ]
-            kernels.fused_adam(
-                group,
-                params,
-                grads,
-                [exp_avg.slot_view(r.slot) for r in records],
-                [exp_avg_sq.slot_view(r.slot) for r in records],
-                [book.step_tensor(r, params[0].device) for r in records],
-            )
-        elif group["momentum"] == 0:
-            kernels.fused_sgd(group, params, grads, [None] * len(params))
-        else:
-            buffers = family.chunks[ChunkKind.EXP_AVG]
-            started = [r.index in book.momentum_started for r in records]
-            kernels.momentum_sgd(group, params, grads, [buffers.slot_view(r.slot) for r in records], started)
-            book.momentum_started.update(r.index for r in records)
-
-    def _whole_family_plan(self, family: ChunkFamily) -> WholeFamilyPlan | None:
-        """The family's plan, or None when a record is outside the optimizer's param groups or the slots are
-        not in record order (computed once: layout and groups are fixed)."""
-        if family.family_id not in self._whole_plans:
-            group_of = self._book.group_of
-            plan = None
-            if all(r.index in group_of for r in family.records):
-                plan = WholeFamilyPlan.build(
-                    [(r.slot.offset, r.slot.numel) for r in family.records],
-                    [group_of[r.index] for r in family.records],
-                )
-            self._whole_plans[family.family_id] = plan
-        return self._whole_plans[family.family_id]
-
-    def _step_whole_family(self, family: ChunkFamily, coef: float) -> bool:
-        """Adam on a whole family at once (the same arithmetic as record by record); False when it does not
-        apply (see :func:`~lightning_pstar.optim.grads.whole_family_grad_range`)."""
-        plan = self._whole_family_plan(family)
-        if plan is None:
-            return False
-        manager = self._manager
-        grad_range = whole_family_grad_range(
-            family, plan, mixed=manager.mixed, inv_scale=self.gradient_policy.inv_scale
-        )
-        if grad_range is None:
-            return False
-        param_chunk = family.param_chunk
-        master = family.chunks.get(ChunkKind.MASTER, param_chunk).data
-        masters = kernels.adam_on_plan(
-            plan,
-            self.param_groups,
-            grad_range,
-            (master, family.chunks[ChunkKind.EXP_AVG].data, family.chunks[ChunkKind.EXP_AVG_SQ].data),
-            [self._book.step_tensor(r, master.device) for r in family.records],
-            coef=coef,
-            clip_value=self.gradient_policy.clip_value,
-        )
-        if manager.mixed:
-            torch._foreach_copy_(plan.slots(param_chunk.data), masters)
-            for record in family.records:
-                manager.slot_holds_weight(record)  # the parameter points at the new weight again
-        return True
 
     # ---- the rest of torch's Optimizer interface ---------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -17,10 +17,10 @@ parameter points at the (refilled) device storage again, before autograd can sav
 precision, while a param slot holds its gradient -- after backward, until the step -- the parameter points
 at its fp32 master instead: ``Residency.point_at_chunk``.)
 
-Both buffers are created with an EMPTY storage (:func:`_unbacked`): a chunk that starts on HOST never
-allocates a byte on the device, not even for an instant (``torch.empty(capacity, device=cuda)`` followed by
-``resize_(0)`` would take the block from the caching allocator and keep it reserved), and a chunk that
-starts on DEVICE pins nothing on the host.
+Both buffers are created with an EMPTY storage (:func:`~lightning_pstar.runtime.buffers.unbacked`): a chunk
+that starts on HOST never allocates a byte on the device, not even for an instant (``torch.empty(capacity,
+device=cuda)`` followed by ``resize_(0)`` would take the block from the caching allocator and keep it
+reserved), and a chunk that starts on DEVICE pins nothing on the host.
 
 [Note: cached views]
 A view of a slot (``chunk.buffer[a:b].view(shape)``) costs two tensor constructions, and the engine takes
@@ -29,8 +29,8 @@ optimizer's kernels). So a chunk takes each slot's view of each tier's buffer on
 view afterwards (:meth:`Chunk.slot_view`, :meth:`Chunk.buffer_view`). A view stays valid for the buffer's
 whole life because the buffer keeps its storage object (storage identity, above): a view taken before an
 eviction reads the refilled bytes after the fetch back, and the one ``set_`` a buffer ever gets (its shape,
-the first time it is backed: ``_backed``, ``HostArena.back``) keeps that storage too and comes before any
-view. A cached view is handed out again only if it was taken from the very buffer tensor the chunk holds
+the first time it is backed: ``buffers.backed``, ``HostArena.back``) keeps that storage too and comes before
+any view. A cached view is handed out again only if it was taken from the very buffer tensor the chunk holds
 now, so a buffer replaced by a new tensor gets fresh views. The views are shared: callers read and write
 their elements, never their metadata (no ``resize_``, ``set_``, ``requires_grad_`` on them).
 
@@ -73,113 +73,18 @@ Without a copy stream (the simulated device, or a copy on the CPU side) every co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
+from lightning_pstar.runtime.buffers import backed, unbacked
+from lightning_pstar.runtime.layout import ChunkKind, Slot
 from lightning_pstar.runtime.pinned import host_arena
-from lightning_pstar.runtime.state import SOURCES_OF, ChunkState, TensorState, Tier, check_transition
+from lightning_pstar.runtime.state import ChunkState, TensorState, Tier
+from lightning_pstar.runtime.transfer_stats import TransferStats
 
 __all__ = ["Chunk", "ChunkKind", "Slot", "TransferStats"]
 
 _DEVICE = Tier.DEVICE  # module-level: an Enum member read through its class costs a lookup on the hot path
-
-
-class ChunkKind(str, Enum):
-    """What a chunk of a family holds."""
-
-    PARAM = "param"
-    """Parameters in the compute dtype; in mixed precision also their gradients (chunk reuse)."""
-    MASTER = "master"
-    """fp32 master parameters (mixed precision only)."""
-    GRAD = "grad"
-    """fp32 gradients (``32-true`` only, where the param chunk is the master)."""
-    EXP_AVG = "exp_avg"
-    """First moment of Adam, or the momentum buffer of SGD."""
-    EXP_AVG_SQ = "exp_avg_sq"
-    """Second moment of Adam."""
-
-
-@dataclass(kw_only=True)
-class Slot:
-    """Where one parameter lives inside every chunk of its family."""
-
-    name: str
-    """The parameter's first name in the model (tied parameters keep their other names elsewhere)."""
-    offset: int
-    """First element of the slot in the chunk."""
-    numel: int
-    shape: torch.Size
-    state: TensorState = TensorState.FREE
-
-    def set_state(self, new: TensorState, *, chunk_id: int) -> None:
-        """Move to ``new`` through the transition guard."""
-        if self.state not in SOURCES_OF[new]:  # the message is built only for an error
-            check_transition(self.state, new, what=f"parameter '{self.name}' (chunk {chunk_id})")
-        self.state = new
-
-    def view_in(self, buffer: torch.Tensor) -> torch.Tensor:
-        """``buffer[offset : offset + numel].view(shape)`` for a contiguous 1-D ``buffer`` laid out like the chunk
-        (a chunk's storage, or a gradient buffer of its capacity), as one ``as_strided`` call: the slice and the
-        view cost about four times as much, and this runs for every parameter of every step."""
-        if self.offset + self.numel > buffer.numel():  # as_strided does not check what the slice did
-            raise RuntimeError(
-                f"PatrickStar internal error: parameter '{self.name}' (elements {self.offset} to"
-                f" {self.offset + self.numel}) does not fit a buffer of {buffer.numel()} elements."
-                " HINT: please report this with the model."
-            )
-        strides = _CONTIGUOUS_STRIDES.get(self.shape)
-        if strides is None:
-            strides = _CONTIGUOUS_STRIDES[self.shape] = _contiguous_strides(self.shape)
-        return buffer.as_strided(self.shape, strides, buffer.storage_offset() + self.offset)
-
-
-_CONTIGUOUS_STRIDES: dict[torch.Size, tuple[int, ...]] = {}
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-@dataclass
-class TransferStats:
-    """Bytes copied between tiers, counted by the chunks themselves."""
-
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    evictions: int = 0  # param chunks moved off the device because the budget needed their room
-    moves_off_device: int = 0  # every chunk move from the device to the host, for any reason
-    prefetches: int = 0
-    demand_fetches: int = 0  # param chunks a module found on the host and waited for (a stall)
-    prefetch_lead_moments: int = 0  # moments between each prefetch and the moment it was for, summed
-    prefetch_hits: int = 0  # prefetched param chunks that were on the device (or on their way) when used
-    prefetches_wasted: int = 0  # prefetched param chunks evicted before their moment
-    early_evictions: int = 0  # evictions the prefetch moved earlier to make room ([Note: fetch and prefetch])
-    clean_moves: int = 0  # moves off the device that only freed the device storage (the host copy was current)
-    clean_bytes: int = 0  # ... and the bytes those moves did not copy
-    dirty_moves: int = 0  # moves off the device that copied the bytes back to the host
-    moved_bytes: int = 0  # bytes copied by chunk moves, both directions (what placement decides)
-    host_copy_bytes: int = 0  # host copies of device-resident chunks kept for clean evictions
-    step_d2h_bytes: int = 0  # copied to the host by host-side optimizer steps that left the chunk on the device
-    step_h2d_bytes: int = 0  # ... and copied back by them (runtime/pipeline.py)
-    param_chunks_on_host: int = 0  # param chunks whose bytes are on the host now (what a prefetch could bring)
-    # DISK gets its entry when a chunk first goes there ([Note: disk families] in disk_tier.py)
-    per_tier_bytes: dict[Tier, int] = field(default_factory=lambda: {Tier.DEVICE: 0, Tier.HOST: 0})
-    peak_device_bytes: int = 0
-
-    def allocated(self, tier: Tier, nbytes: int) -> None:
-        self.per_tier_bytes[tier] = self.per_tier_bytes.get(tier, 0) + nbytes
-        if tier is Tier.DEVICE:
-            self.peak_device_bytes = max(self.peak_device_bytes, self.per_tier_bytes[tier])
-
-    def freed(self, tier: Tier, nbytes: int) -> None:
-        self.per_tier_bytes[tier] -= nbytes
-        assert self.per_tier_bytes[tier] >= 0, "tier byte counter went negative"
 
 
 class Chunk:
@@ -218,7 +123,7 @@ class Chunk:
         self._device = device
         self._stats = stats
         self._pin_host = device.type == "cuda"
-        self._device_buffer = _unbacked(capacity, dtype, device)  # nothing allocated (see the module note)
+        self._device_buffer = unbacked(capacity, dtype, device)  # nothing allocated (see the module note)
         self._host_buffer = None
         self._tier = None
         self._pending: torch.cuda.Event | None = None  # an asynchronous copy in flight (see [Note: streams])
@@ -563,40 +468,10 @@ class Chunk:
             if self._host_buffer is None:
                 self._host_buffer = host_arena().unbacked(self.capacity, self.dtype, pin=self._pin_host)
             return host_arena().back(self._host_buffer, self.capacity) if allocate else self._host_buffer
-        return _backed(buf, self.capacity) if allocate else buf
+        return backed(buf, self.capacity) if allocate else buf
 
     def __repr__(self) -> str:
         tier = self._tier.value if self._tier else "released"
         return (
             f"Chunk(id={self.chunk_id}, kind={self.kind.value}, dtype={self.dtype}, capacity={self.capacity}, {tier})"
         )
-
-
-def _unbacked(capacity: int, dtype: torch.dtype, device: torch.device, *, pin: bool = False) -> torch.Tensor:
-    """A 1-D buffer of ``dtype`` on ``device`` whose storage holds no bytes yet (``_backed`` gives it some).
-
-    On a caching allocator (CUDA, pinned host memory) nothing is allocated at all: the tensor starts with
-    zero elements and takes its ``capacity`` shape the first time it is backed. A tensor cannot carry a
-    shape larger than its storage without ``set_`` growing the storage, and a block allocated and
-    resized to 0 stays reserved in the cache. Plain host memory has no cache: there the buffer is
-    allocated at full shape and freed at once, so it shows its shape from the start.
-    """
-    if pin:
-        return torch.empty(0, dtype=dtype, pin_memory=True)
-    if device.type in ("cuda", "meta"):
-        return torch.empty(0, dtype=dtype, device=device)
-    buf = torch.empty(capacity, dtype=dtype, device=device)
-    buf.untyped_storage().resize_(0)
-    return buf
-
-
-def _backed(buf: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Give ``buf``'s own storage ``capacity`` elements in place (same storage object: [Note: storage
-    identity]) and, the first time, the shape that goes with them."""
-    nbytes = capacity * buf.element_size()
-    storage = buf.untyped_storage()
-    if storage.nbytes() == 0:
-        storage.resize_(nbytes)
-    if buf.numel() != capacity:
-        buf.set_(storage, 0, (capacity,), (1,))
-    return buf

@@ -42,7 +42,7 @@ from lightning_pstar.runtime.placement import PlacementPolicy
 from lightning_pstar.runtime.reporting import build_report, module_names
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.setup_plan import plan_setup
-from lightning_pstar.runtime.sharding import Sharding, make_sharding
+from lightning_pstar.runtime.sharding_factory import Sharding, make_sharding
 from lightning_pstar.runtime.state import MicroBatch, Phase, TensorState, Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
 from lightning_pstar.runtime.warmup import check_before_warmup_step, end_warmup

@@ -26,7 +26,7 @@ from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord, ParamTable
 from lightning_pstar.runtime.residency import Residency
-from lightning_pstar.runtime.sharding import Sharding
+from lightning_pstar.runtime.sharding_factory import Sharding
 from lightning_pstar.runtime.state import TensorState, Tier
 
 __all__ = ["Materialiser", "meta_modules"]

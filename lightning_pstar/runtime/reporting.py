@@ -14,7 +14,7 @@ from lightning_pstar.runtime.family import ParamTable
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.pipeline import StepPipeline
 from lightning_pstar.runtime.residency import Residency
-from lightning_pstar.runtime.sharding import Sharding
+from lightning_pstar.runtime.sharding_factory import Sharding
 from lightning_pstar.runtime.state import Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
 

@@ -73,39 +73,29 @@ Groups larger than ``bucket_bytes`` (a large model's) each keep their own collec
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lightning_pstar.runtime.comm import ChunkComm, group_of, owner_of, profiled
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.grads import GradStore
+from lightning_pstar.runtime.group_gather import GroupGather, pack_bucket, unpack_bucket
 from lightning_pstar.runtime.local_sharding import LocalSharding
+from lightning_pstar.runtime.model_agreement import agree_on_model
 from lightning_pstar.runtime.reduction import GroupReducer
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import TensorState, Tier
 from lightning_pstar.runtime.sweep import Sweep, sweep_plan
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GroupCoordinator", "LocalSharding", "Sharding", "Sweep", "make_sharding"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "GroupCoordinator", "LocalSharding", "Sweep"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20
 """Consecutive chunk groups share a collective up to this many bytes ([Note: buckets of chunk groups]): about
 where a collective's bytes start to cost more than its latency, over NCCL and over gloo alike."""
-
-
-@dataclass(eq=False)
-class _Gather:
-    """One all-gather in flight: of one group into its chunks, or of a bucket of groups packed per rank."""
-
-    groups: list[int]  # in sweep order; the first is the one gathered for use, the others ride along
-    work: Any  # the collective's handle (None with a fake)
-    packed: list[torch.Tensor] | None  # a bucket: one buffer per rank, this rank's chunks copied into its own
 
 
 class GroupCoordinator:
@@ -133,7 +123,7 @@ class GroupCoordinator:
         self.world_size = comm.world_size
         self.rank = comm.rank
         self.gathered: set[int] = set()  # groups whose remote param chunks are present locally
-        self.inflight: dict[int, _Gather] = {}  # group -> the asynchronous gather it is part of (prefetch)
+        self.inflight: dict[int, GroupGather] = {}  # group -> the asynchronous gather it is part of (prefetch)
         self.bucket_bytes = bucket_bytes  # [Note: buckets of chunk groups]
         self.ahead: set[int] = set()  # groups a bucket gathered that the forward sweep has not reached yet
         self.pinned = residency.pinned  # families whose param chunk is the send buffer of an in-flight gather
@@ -329,7 +319,7 @@ class GroupCoordinator:
     def _gather_bytes(self, group: int) -> int:
         return sum(f.param_chunk.nbytes for f in self.members(group))
 
-    def _start_gather(self, group: int, protect: set[int]) -> _Gather:
+    def _start_gather(self, group: int, protect: set[int]) -> GroupGather:
         residency = self.residency
         groups = self._bucket(group)
         members = [f for g in groups for f in self.members(g)]
@@ -347,12 +337,11 @@ class GroupCoordinator:
             packed = None
             buffers = [f.param_chunk.data for f in members]
         else:  # a bucket: this rank's chunks packed into its buffer (a copy: nothing needs to stay in place)
-            send = torch.cat([f.param_chunk.data for f in own])
-            packed = buffers = [send if r == self.rank else torch.empty_like(send) for r in range(self.world_size)]
+            packed = buffers = pack_bucket([f.param_chunk.data for f in own], self.rank, self.world_size)
         with profiled("pstar::all_gather"):
             work = self.comm.all_gather_chunks(buffers, self.rank)
         self.gathers += 1
-        gather = _Gather(groups, work, packed)
+        gather = GroupGather(groups, work, packed)
         for g in groups:
             self.inflight[g] = gather
         return gather
@@ -361,19 +350,12 @@ class GroupCoordinator:
         gather = self.inflight.get(group)
         self._finish_gather(gather if gather is not None else self._start_gather(group, protect))
 
-    def _finish_gather(self, gather: _Gather) -> None:
+    def _finish_gather(self, gather: GroupGather) -> None:
         if gather.work is not None:
             with profiled("pstar::all_gather_wait"):
                 gather.work.wait()
         if gather.packed is not None:  # unpack every peer's part of the bucket into its chunks
-            width = self.world_size
-            families = [f for g in gather.groups for f in self.members(g)]
-            chunks = [f.param_chunk.data for f in families]
-            sizes = [f.capacity for f in families[self.rank :: width]]
-            parts = [buf.split(sizes) for buf in gather.packed]
-            targets = [c for i, c in enumerate(chunks) if i % width != self.rank]
-            sources = [parts[i % width][i // width] for i in range(len(chunks)) if i % width != self.rank]
-            torch._foreach_copy_(targets, sources)
+            unpack_bucket(gather.packed, [f for g in gather.groups for f in self.members(g)], self.rank)
         for i, group in enumerate(gather.groups):
             self.inflight.pop(group, None)
             members = self.members(group)
@@ -490,54 +472,6 @@ class GroupCoordinator:
 
     # ---- setup -------------------------------------------------------------------------------------------
     def start(self, records: Sequence[ParamRecord], layout: tuple[int, int, int, int], detail: str) -> None:
-        """Setup, before any chunk exists: every rank must have built the same model (``layout``: parameters,
-        elements, chunk size, families; ``detail``: names, shapes, trainability), and as DDP does every rank
-        starts from rank 0's weights (meta-initialised ones come from their owner)."""
-        # a digest (hash() differs per process), and the bucket size: it decides which collectives run
-        mine = (*layout, hashlib.sha1(detail.encode()).hexdigest(), self.bucket_bytes)
-        every = self.comm.all_gather_object(mine)
-        for rank, theirs in enumerate(every):
-            if theirs[:-1] != mine[:-1]:
-                raise ValueError(
-                    f"The model differs between ranks: rank {self.rank} has {mine[0]} parameters with"
-                    f" {mine[1]:,} elements in {mine[3]} chunks of {mine[2]:,}, rank {rank} has {theirs[0]}"
-                    f" parameters with {theirs[1]:,} elements in {theirs[3]} chunks of {theirs[2]:,}"
-                    " (or other names/shapes). HINT: build the same model on every rank (same config, same"
-                    " frozen parameters) and set chunk_size explicitly if the device budgets differ."
-                )
-            if theirs[-1] != mine[-1]:
-                raise ValueError(
-                    f"`chunks.bucket_bytes` differs between ranks: rank {self.rank} has {mine[-1]:,} bytes, rank"
-                    f" {rank} {theirs[-1]:,}. HINT: give every rank the same PatrickStar config."
-                )
-        with torch.no_grad():
-            for record in records:
-                if not record.param.is_meta:
-                    self.comm.broadcast_(record.param.data, src=0)
-
-
-Sharding = LocalSharding | GroupCoordinator
-"""What the manager talks to: the same verbs at one rank (a null object) and at many."""
-
-
-def make_sharding(
-    families: list[ChunkFamily],
-    comm: ChunkComm,
-    *,
-    residency: Residency,
-    grads: GradStore,
-    compute_dtype: torch.dtype,
-    module_groups: Sequence[Iterable[int]] = (),
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> Sharding:
-    if comm.world_size == 1:
-        return LocalSharding(grads)
-    return GroupCoordinator(
-        families,
-        comm,
-        residency=residency,
-        grads=grads,
-        compute_dtype=compute_dtype,
-        module_groups=module_groups,
-        bucket_bytes=bucket_bytes,
-    )
+        """Setup, before any chunk exists: every rank built the same model and takes rank 0's weights
+        (:func:`~lightning_pstar.runtime.model_agreement.agree_on_model`)."""
+        agree_on_model(self.comm, records, layout, detail, bucket_bytes=self.bucket_bytes)

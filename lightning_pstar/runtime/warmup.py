@@ -26,7 +26,7 @@ from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.residency import Residency
-from lightning_pstar.runtime.sharding import Sharding
+from lightning_pstar.runtime.sharding_factory import Sharding
 from lightning_pstar.runtime.state import Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
 from lightning_pstar.runtime.yardstick import PlacementProblem, Point, solve

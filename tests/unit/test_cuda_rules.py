@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.optim import kernels
-from lightning_pstar.runtime.chunk import _backed, _unbacked
+from lightning_pstar.runtime.buffers import backed, unbacked
 from lightning_pstar.runtime.comm import ChunkComm, staging_device
 
 
@@ -42,18 +42,18 @@ def test_a_tensor_off_the_groups_device_is_staged_or_refused() -> None:
 
 
 def test_caching_allocator_buffers_start_empty_and_are_backed_in_place() -> None:
-    buf = _unbacked(24, torch.float32, torch.device("meta"))  # the CUDA path: nothing allocated, no shape
+    buf = unbacked(24, torch.float32, torch.device("meta"))  # the CUDA path: nothing allocated, no shape
     assert buf.numel() == 0 and buf.untyped_storage().nbytes() == 0
     storage = buf.untyped_storage()
-    assert _backed(buf, 24) is buf
+    assert backed(buf, 24) is buf
     assert buf.shape == (24,) and buf.untyped_storage().nbytes() == 96
     assert buf.untyped_storage()._cdata == storage._cdata  # same storage: [Note: storage identity]
 
 
 def test_host_buffers_show_their_shape_and_hold_nothing() -> None:
-    buf = _unbacked(24, torch.bfloat16, torch.device("cpu"))
+    buf = unbacked(24, torch.bfloat16, torch.device("cpu"))
     assert buf.shape == (24,) and buf.untyped_storage().nbytes() == 0
-    _backed(buf, 24).fill_(1)
+    backed(buf, 24).fill_(1)
     assert buf.untyped_storage().nbytes() == 48 and float(buf.sum()) == 24
 
 
