@@ -1,9 +1,10 @@
 """One family's host-side optimizer step as a :class:`~lightning_pstar.runtime.pipeline.HostJob`.
 
-The job runs the whole-family Adam of the serial step (``ChunkedOptimizer._step_whole_family``) on the same
-values: see [Note: the step pipeline] in :mod:`lightning_pstar.runtime.pipeline` for what makes it bitwise the
-serial step. :func:`host_job` builds it on the calling thread (every piece of bookkeeping before the stages
-run), or returns None where the family does not step this way (the caller then runs the serial step).
+The job runs the whole-family Adam of the serial step (``SerialFamilyStep._step_whole_family`` in
+``optim/serial_step.py``) on the same values: see [Note: the step pipeline] in
+:mod:`lightning_pstar.runtime.pipeline` for what makes it bitwise the serial step. :func:`host_job` builds it on
+the calling thread (every piece of bookkeeping before the stages run), or returns None where the family does not
+step this way (the caller then runs the serial step).
 """
 
 from __future__ import annotations
