@@ -225,26 +225,35 @@ def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, 
     return out
 
 
-def copy_bandwidth(threads: int, *, numel: int = 32 * 2**20, repeats: int = 8) -> float:
-    """Bytes per second (read + write, 1e9) that ``threads`` threads copying their own ``numel``-element fp32 tensors
-    at once move in all: with ``threads=2`` against 1, how much two memory-bound stages can overlap here."""
-    pairs = [(torch.rand(numel), torch.empty(numel)) for _ in range(threads)]
-    spent = [0.0] * threads
+def copy_bandwidths(trials: int = 7, *, numel: int = 32 * 2**20) -> dict[str, float]:
+    """Bytes per second (read + write, 1e9) that one thread, and two threads at once, move copying their own
+    ``numel``-element fp32 tensors: with two against one, how much two memory-bound stages can overlap here.
+    Medians of ``trials`` alternate measurements (the machine's bandwidth drifts: one pair can be off by a third)."""
+    pairs = [(torch.rand(numel), torch.empty(numel)) for _ in range(2)]
+    _copy_rate(pairs)  # the targets' first touch, not timed
+    one, two = [], []
+    for _ in range(trials):
+        one.append(_copy_rate(pairs[:1]))
+        two.append(_copy_rate(pairs))
+    return {"one_thread_gbps": statistics.median(one), "two_threads_gbps": statistics.median(two)}
+
+
+def _copy_rate(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int = 4) -> float:
+    spent = [0.0] * len(pairs)
 
     def copy(i: int) -> None:
         source, target = pairs[i]
-        target.copy_(source)  # first touch outside the timing
         start = time.perf_counter()
         for _ in range(repeats):
             target.copy_(source)
         spent[i] = time.perf_counter() - start
 
-    workers = [threading.Thread(target=copy, args=(i,)) for i in range(threads)]
+    workers = [threading.Thread(target=copy, args=(i,)) for i in range(len(pairs))]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
-    return threads * 2 * numel * 4 * repeats / max(spent) / 1e9
+    return sum(2 * s.numel() * s.element_size() * repeats for s, _ in pairs) / max(spent) / 1e9
 
 
 def _targets(
@@ -312,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for overlap in ("off", "pipeline", "auto", "next_forward")
     ]
     stages = runs[0]["stages_alone"]
-    bandwidth = {"one_thread_gbps": copy_bandwidth(1), "two_threads_gbps": copy_bandwidth(2)}
+    bandwidth = copy_bandwidths()
     headroom = bandwidth["two_threads_gbps"] / bandwidth["one_thread_gbps"]
     result = {
         "model": {k: getattr(args, k) for k in ("n_layer", "n_embd", "block", "batch_size", "precision", "chunk_size")},
