@@ -44,7 +44,10 @@ nothing in this backward can read its param chunk any more, which the engine pro
 A frozen parameter of the family may still be read (LoRA: a frozen weight of an earlier layer shares the chunk):
 the copy back writes it with the bytes it already has. A module that needs a trainable parameter of such a family
 later in the same backward (a pattern the proof above does not foresee) raises, naming the parameter, instead of
-reading a weight that changed under it (``ChunkManager.pre_backward``, ``pre_forward``).
+reading a weight that changed under it (``ChunkManager.pre_backward``, ``pre_forward``). What the engine cannot
+see: a function checkpointed without reentrancy that calls no module (its saved tensors go to the checkpoint's
+own hooks, its recomputation runs no module hook) and reads a trainable weight detached, so that the weight's
+family can be done before that function's backward. Such a model needs ``optimizer_overlap="off"``.
 
 [Note: choosing the schedule]
 Every schedule of the host-side step gives the same bits, so which one runs is a question of speed alone, and the
