@@ -24,6 +24,7 @@ from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm
+from lightning_pstar.runtime.optimizer_side import plan_hybrid_optimizer
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.sharding_factory import Sharding
@@ -53,7 +54,7 @@ def end_warmup(tracer: MemoryTracer, residency: Residency, sharding: Sharding) -
     if residency.policy.name == "auto":
         _check_trace_fits(tracer, needs, budget)
         if residency.hybrid_optimizer:  # placement.optimizer="auto": the families that fit go to the device
-            residency.plan_hybrid_optimizer(tracer.trace.peak_non_model)
+            plan_hybrid_optimizer(residency, tracer.trace.peak_non_model)
         # the host blocks the families that came to the device left idle go back to the driver now, not at
         # teardown: held in torch's cache they would count against the host budget for the whole run
         host_arena().release()
