@@ -24,6 +24,7 @@ from torch import nn
 from lightning_pstar.config import NonFinite, OptimizerPlacement, PStarConfig
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import MemoryReport
+from lightning_pstar.runtime import steps_in_flight
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm, group_of
 from lightning_pstar.runtime.disk_tier import DiskTier, disk_one_at_a_time, open_disk_tier
@@ -45,7 +46,7 @@ from lightning_pstar.runtime.setup_plan import plan_setup
 from lightning_pstar.runtime.sharding_factory import Sharding, make_sharding
 from lightning_pstar.runtime.state import MicroBatch, Phase, TensorState, Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
-from lightning_pstar.runtime.warmup import check_before_warmup_step, end_warmup
+from lightning_pstar.runtime.warmup import end_warmup, step_moment
 
 __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "ParamRecord"]
 
@@ -126,7 +127,8 @@ class ChunkManager:
         # mixed_precision.nonfinite: a backward since the last step ran from a non-finite loss; steps not applied
         self.nonfinite_loss = False
         self.nonfinite_skipped_steps = 0
-        self.residency.finish_stepping = self._finish_steps_for_room  # when room is short, steps in flight end
+        # when room is short, steps in flight end
+        self.residency.finish_stepping = lambda: steps_in_flight.finish_steps_for_room(self)
         module_groups = [
             {group_of(r.family.family_id, self.world_size) for r in records}
             for records in self.table.module_records.values()
@@ -259,7 +261,7 @@ class ChunkManager:
         moment = (_FORWARD, index) if torch.is_grad_enabled() else None
         if _graph_task() >= 0:  # recomputed inside a backward (activation checkpointing)
             self.recomputes = True
-            self._refuse_early_read(records)
+            steps_in_flight.refuse_early_read(self, records)
         self.access(records, _COMPUTE, moment, module=index)
         if self.mixed:  # an in-place write to a weight during forward must reach its fp32 master
             self._forward_versions[index] = [r.param._version for r in records]
@@ -294,20 +296,8 @@ class ChunkManager:
     def pre_backward(self, records: Sequence[ParamRecord], index: int) -> None:
         """Before module ``index``'s backward: its chunks resident again (same storage)."""
         if self.pipeline.early:
-            self._refuse_early_read(records)
+            steps_in_flight.refuse_early_read(self, records)
         self.access(records, _COMPUTE, (_BACKWARD, index))
-
-    def _refuse_early_read(self, records: Sequence[ParamRecord]) -> None:
-        """A module needs a trainable parameter whose family already copied its new weights back inside this
-        backward ([Note: copies back inside the backward] in optim/overlap.py): raise rather than compute with them."""
-        early = self.pipeline.early
-        for record in records:
-            if record.trainable and record.family.family_id in early:
-                raise RuntimeError(
-                    f"PatrickStar stepped parameter '{record.names[0]}' inside the backward once its gradient was"
-                    " final and nothing autograd saved still read it, but its module runs again in the same"
-                    " backward. HINT: set optimizer_overlap='off' (or 'next_forward'), and please report the model."
-                )
 
     def access(
         self,
@@ -324,7 +314,7 @@ class ChunkManager:
         """
         residency = self.residency
         if self.tailing:  # optimizer_overlap="next_forward": this module waits for its own families' steps
-            self.wait_for_families(records)
+            steps_in_flight.wait_for_families(self, records)
         if self.stationary and not residency.stats.param_chunks_on_host:  # [Note: stationary chunks]
             if residency.step_open:
                 residency.close_step()
@@ -434,31 +424,10 @@ class ChunkManager:
         self.grads.discard([r for r in records if r.family.family_id not in stepping] if stepping else records)
 
     # ---- the optimizer step and the end of the warm-up -------------------------------------------------
-    def _check_host_after_warmup(self, room: int) -> None:
-        assert self.residency.device_budget is not None
-        self.setup_plan.check_host_after_warmup(
-            room=room, device_budget=self.residency.device_budget, host_budget=self.residency.host_budget
-        )
-
     def step_moment(self) -> None:
         """The optimizer step is a moment of its own (it accesses every trainable family). At the warm-up's, the
         moments recorded so far must fit the device budget: refused before the step changes anything."""
-        self.grads.settle()
-        training, recording = self.phase.training, self.tracer.recording
-        fids = tuple(f.family_id for f in self.families if f.trainable)
-        if training and recording:
-            self.tracer.moment(MomentKind.STEP, 0, fids)  # closes (measures) the last backward moment
-            check_before_warmup_step(self.tracer, self.residency, self.comm, host_check=self._check_host_after_warmup)
-        self.residency.open_step(record=recording)
-        if training:
-            self.residency.note_step()
-            if not recording:
-                self.tracer.moment(MomentKind.STEP, 0, fids)
-            if self.stationary:  # no moment was followed: each held what the device holds now
-                used = self.residency.device_used()
-                self.moment_chunk_bytes.update((i, used) for i in range(len(self.tracer.trace.moments)))
-            elif self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
-                self.moment_chunk_bytes[self.tracer.cursor] = self.residency.device_used()
+        step_moment(self)
 
     def optimizer_stepped(self) -> None:
         """An optimizer stepped: the warm-up iteration ends before the next micro-batch (an iteration may hold
@@ -477,45 +446,12 @@ class ChunkManager:
 
     # ---- reporting ------------------------------------------------------------------------------------
     def end_backward_steps(self) -> None:
-        """The backward is over: no family starts its step from it any more, and the parameter copies the steps
-        started in it held back may run ([Note: the step pipeline] in runtime/pipeline.py)."""
-        self.grads.on_final = None
-        self.pipeline.open_copies_back()
+        """The backward is over: steps in flight may copy back (``steps_in_flight.end_backward_steps``)."""
+        steps_in_flight.end_backward_steps(self)
 
     def finish_steps(self, *, keep_tail: bool = False) -> None:
-        """Finish every host-side optimizer step in flight and stop stepping inside the backward: before anything
-        reads or writes weights, gradients or optimizer states outside the step ([Note: the step pipeline]).
-        ``keep_tail``: steps an ``optimizer.step()`` left in flight (``optimizer_overlap="next_forward"``) go on;
-        the modules that need their families wait for them (:meth:`access`)."""
-        self.grads.on_final = None
-        if self.residency.disk is not None:  # the family a load left loaded is written back
-            self.residency.disk.flush_setup()
-        if keep_tail and self.tailing:
-            return
-        try:
-            self.pipeline.drain()
-        finally:
-            self.grads.stepped.clear()
-            self.tailing = False
-
-    def _finish_steps_for_room(self) -> None:
-        """The device budget needs room that param chunks of families still stepping hold: finish their steps.
-        Inside a backward their copies back must wait for its end, so the steps finish without them and the param
-        chunks stay on the host with the new weights (what a serial step on the host leaves): the device bytes
-        autograd may still read are never written ([Note: the step pipeline] in runtime/pipeline.py)."""
-        if not self.pipeline.copies_back_open:
-            self.pipeline.settle_off_device(sorted(self.residency.stepping))
-            return
-        self.finish_steps()
-
-    def wait_for_families(self, records: Sequence[ParamRecord]) -> None:
-        """Finish the steps in flight of the families of ``records`` (a module is about to read them)."""
-        pipeline = self.pipeline
-        for record in records:
-            if pipeline.in_flight(record.family.family_id):
-                pipeline.wait(record.family.family_id)
-        if not pipeline.busy:
-            self.tailing = False
+        """Finish every host-side optimizer step in flight (``steps_in_flight.finish_steps``)."""
+        steps_in_flight.finish_steps(self, keep_tail=keep_tail)
 
     def memory_report(self) -> MemoryReport:
         if not self._module_names:

@@ -152,7 +152,7 @@ class AutoPlacement:
         # steps) on the device: nothing moves during the warm-up and nothing is pinned for optimizer states;
         # otherwise the optimizer side starts on HOST (safe during the warm-up). Either way the hybrid plan after
         # the warm-up keeps on the device the families that fit the margin at the step and moves the others
-        # (Residency.plan_hybrid_optimizer). The planner asks the same function.
+        # (plan_hybrid_optimizer in optimizer_side.py). The planner asks the same function.
         on_host = optimizer_starts_on_host(
             "auto",
             model_data_bytes=model_data_bytes,

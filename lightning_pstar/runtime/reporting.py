@@ -11,6 +11,7 @@ from lightning_pstar.planning.layout import Layout
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.family import ParamTable
+from lightning_pstar.runtime.optimizer_side import optimizer_placement_summary
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.pipeline import StepPipeline
 from lightning_pstar.runtime.residency import Residency
@@ -77,7 +78,7 @@ def build_report(
         moves_off_device=stats.moves_off_device,
         device_memory_limit=residency.device_budget,
         host_memory_limit=residency.host_budget,
-        optimizer_tier=residency.optimizer_placement_summary(),
+        optimizer_tier=optimizer_placement_summary(residency),
         placement=residency.policy.name,
         rank=comm.rank,
         world_size=comm.world_size,

@@ -8,12 +8,11 @@ there, and keeps every parameter pointing at its slot in the buffer of the tier 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_pstar.planning.requirements import MemoryBudgetError, step_temporary_bytes
+from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
 from lightning_pstar.runtime.disk_tier import DISK_KINDS, DiskTier
@@ -30,8 +29,6 @@ __all__ = ["Residency"]
 
 # module-level: an Enum member read through its class costs a lookup, and these are read per parameter
 _DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
-
-log = logging.getLogger(__name__)
 
 # [Note: stationary chunks]
 # On one rank, once the warm-up is over, every param chunk is often on the device for good: without a device
@@ -451,46 +448,7 @@ class Residency:
         """CPU waits for an eviction's copy (CUDA: a fetch needed its block)."""
         return self.evicting.waits
 
-    # ---- the optimizer's side ----------------------------------------------------------------------------
-    def plan_hybrid_optimizer(self, peak_non_model: int) -> None:
-        """Keep whole optimizer-state families on the device as far as the margin at the step allows, in family
-        order: a family on the host that fits comes to the device, one on the device that does not fit goes to the
-        host (its pinned blocks are given back by the caller, :func:`~lightning_pstar.runtime.warmup.end_warmup`)."""
-        assert self.device_budget is not None
-        params = sum(f.param_chunk.nbytes for f in self.families)
-        # CUDA: the device-side step's fp32 gradient copy of one family at a time is budgeted too (issue 12; the
-        # simulated device measures saved tensors only, no temporaries)
-        on_cuda = [f for f in self.families if f.trainable and self.device.type == "cuda"]
-        temporary = max(
-            (step_temporary_bytes(f.capacity, mixed=ChunkKind.MASTER in f.chunks) for f in on_cuda), default=0
-        )
-        margin = self.device_budget - peak_non_model - params - temporary
-        on_device = 0
-        for family in self.families:
-            if not family.trainable:
-                continue  # a frozen family's fp32 copy is only read by state dicts
-            side = [c for k, c in family.chunks.items() if k is not ChunkKind.PARAM and c.tier is not None]
-            nbytes = sum(c.nbytes for c in side)
-            if not side or any(c.tier is Tier.DISK for c in side):
-                continue  # a disk family stays where the plan put it ([Note: disk families])
-            # [Note: where the warm-up steps] in placement.py: families that started on the device and do not fit
-            # the margin go to the host, the others stay; families on the host that fit come to the device
-            tier = Tier.DEVICE if nbytes <= margin else Tier.HOST
-            moving = [c for c in side if c.tier is not tier]
-            for chunk in moving:
-                if tier is Tier.HOST:
-                    self.check_host_room(chunk.nbytes, chunk=chunk)
-                    self.optimizer_tier = Tier.HOST  # optimizer chunks created later start on the host
-                chunk.move_to(tier)
-            if moving:
-                for record in family.records:
-                    if record.grad_in_param_slot:  # the parameter reads its master (see point_at_chunk)
-                        self.point_at_chunk(record)
-            if tier is Tier.DEVICE:
-                margin -= nbytes
-                on_device += 1
-        log.debug("PatrickStar: %d of %d optimizer-state families run on the device", on_device, len(self.families))
-
+    # ---- the optimizer's side (its hybrid plan and report summary: optimizer_side.py) ----------------------
     @staticmethod
     def optimizer_tier_of(family: ChunkFamily) -> Tier:
         """Where ``family``'s optimizer step runs: the tier of its optimizer-side chunks (DISK when any is on disk:
@@ -502,18 +460,6 @@ class Residency:
                     return Tier.DISK
                 tier = tier or chunk.tier
         return tier or Tier.DEVICE
-
-    def optimizer_placement_summary(self) -> str:
-        tiers = [self.optimizer_tier_of(f) for f in self.families if f.trainable and len(f.chunks) > 1]
-        if not tiers:
-            return self.optimizer_tier.value
-        on_device = sum(t is Tier.DEVICE for t in tiers)
-        on_disk = sum(t is Tier.DISK for t in tiers)
-        if on_disk:
-            return f"host for {len(tiers) - on_disk} of {len(tiers)} families, disk for the rest"
-        if on_device in (0, len(tiers)):
-            return tiers[0].value
-        return f"device for {on_device} of {len(tiers)} families, host for the rest"
 
     def storage_ptrs(self, chunks: Sequence[Chunk]) -> set[int]:
         """Addresses of the chunks' storages now, on both tiers (the tracer tells model data from the rest)."""
