@@ -46,7 +46,7 @@ from lightning_pstar.runtime.setup_plan import plan_setup
 from lightning_pstar.runtime.sharding_factory import Sharding, make_sharding
 from lightning_pstar.runtime.state import MicroBatch, Phase, TensorState, Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
-from lightning_pstar.runtime.warmup import end_warmup, step_moment
+from lightning_pstar.runtime.warmup import check_before_warmup_step, end_warmup
 
 __all__ = ["ChunkFamily", "ChunkManager", "MemoryBudgetError", "MemoryReport", "ParamRecord"]
 
@@ -424,10 +424,31 @@ class ChunkManager:
         self.grads.discard([r for r in records if r.family.family_id not in stepping] if stepping else records)
 
     # ---- the optimizer step and the end of the warm-up -------------------------------------------------
+    def _check_host_after_warmup(self, room: int) -> None:
+        assert self.residency.device_budget is not None
+        self.setup_plan.check_host_after_warmup(
+            room=room, device_budget=self.residency.device_budget, host_budget=self.residency.host_budget
+        )
+
     def step_moment(self) -> None:
         """The optimizer step is a moment of its own (it accesses every trainable family). At the warm-up's, the
         moments recorded so far must fit the device budget: refused before the step changes anything."""
-        step_moment(self)
+        self.grads.settle()
+        training, recording = self.phase.training, self.tracer.recording
+        fids = tuple(f.family_id for f in self.families if f.trainable)
+        if training and recording:
+            self.tracer.moment(MomentKind.STEP, 0, fids)  # closes (measures) the last backward moment
+            check_before_warmup_step(self.tracer, self.residency, self.comm, host_check=self._check_host_after_warmup)
+        self.residency.open_step(record=recording)
+        if training:
+            self.residency.note_step()
+            if not recording:
+                self.tracer.moment(MomentKind.STEP, 0, fids)
+            if self.stationary:  # no moment was followed: each held what the device holds now
+                used = self.residency.device_used()
+                self.moment_chunk_bytes.update((i, used) for i in range(len(self.tracer.trace.moments)))
+            elif self.tracer.warmed_up and self.tracer.matches and self.tracer.cursor >= 0:
+                self.moment_chunk_bytes[self.tracer.cursor] = self.residency.device_used()
 
     def optimizer_stepped(self) -> None:
         """An optimizer stepped: the warm-up iteration ends before the next micro-batch (an iteration may hold

@@ -11,17 +11,12 @@ the chunks it needs and the non-model memory measured then. Three decisions foll
   which the pinned blocks the moved families left idle are given back;
 - the yardstick ([Note: the yardstick] in :mod:`~lightning_pstar.runtime.yardstick`): the fewest bytes any
   placement could move per iteration with this trace and budget, bracketed, and the plan auto follows.
-
-:func:`step_moment` (``ChunkManager.step_moment``) makes each optimizer step a moment of the trace, and runs the
-warm-up step's checks before that step changes anything.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,10 +32,7 @@ from lightning_pstar.runtime.state import Tier
 from lightning_pstar.runtime.tracer import MemoryTracer, MomentKind
 from lightning_pstar.runtime.yardstick import PlacementProblem, Point, solve
 
-if TYPE_CHECKING:
-    from lightning_pstar.runtime.manager import ChunkManager
-
-__all__ = ["check_before_warmup_step", "end_warmup", "placement_problem", "step_moment"]
+__all__ = ["check_before_warmup_step", "end_warmup", "placement_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -154,36 +146,6 @@ def check_before_warmup_step(
             )
     if error is not None:
         raise error
-
-
-def step_moment(manager: ChunkManager) -> None:
-    """The optimizer step is a moment of its own (it accesses every trainable family). At the warm-up's, the
-    moments recorded so far must fit the device budget: refused before the step changes anything."""
-    manager.grads.settle()
-    training, recording = manager.phase.training, manager.tracer.recording
-    fids = tuple(f.family_id for f in manager.families if f.trainable)
-    if training and recording:
-        manager.tracer.moment(MomentKind.STEP, 0, fids)  # closes (measures) the last backward moment
-        check_before_warmup_step(
-            manager.tracer, manager.residency, manager.comm, host_check=partial(_check_host_after_warmup, manager)
-        )
-    manager.residency.open_step(record=recording)
-    if training:
-        manager.residency.note_step()
-        if not recording:
-            manager.tracer.moment(MomentKind.STEP, 0, fids)
-        if manager.stationary:  # no moment was followed: each held what the device holds now
-            used = manager.residency.device_used()
-            manager.moment_chunk_bytes.update((i, used) for i in range(len(manager.tracer.trace.moments)))
-        elif manager.tracer.warmed_up and manager.tracer.matches and manager.tracer.cursor >= 0:
-            manager.moment_chunk_bytes[manager.tracer.cursor] = manager.residency.device_used()
-
-
-def _check_host_after_warmup(manager: ChunkManager, room: int) -> None:
-    assert manager.residency.device_budget is not None
-    manager.setup_plan.check_host_after_warmup(
-        room=room, device_budget=manager.residency.device_budget, host_budget=manager.residency.host_budget
-    )
 
 
 def placement_problem(tracer: MemoryTracer, residency: Residency, budget: int) -> PlacementProblem | None:
