@@ -10,14 +10,24 @@ with weights already copied back inside the backward. ``ChunkManager.finish_step
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lightning_pstar.runtime.family import ParamRecord
-
-if TYPE_CHECKING:
-    from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.grads import GradStore
+from lightning_pstar.runtime.pipeline import StepPipeline
+from lightning_pstar.runtime.residency import Residency
 
 __all__ = ["end_backward_steps", "finish_steps", "finish_steps_for_room", "refuse_early_read", "wait_for_families"]
+
+
+class ChunkManager(Protocol):
+    """What these verbs use of :class:`~lightning_pstar.runtime.manager.ChunkManager` (a protocol: the manager
+    imports this module, so this module does not import the manager)."""
+
+    grads: GradStore
+    pipeline: StepPipeline
+    residency: Residency
+    tailing: bool
 
 
 def end_backward_steps(manager: ChunkManager) -> None:
