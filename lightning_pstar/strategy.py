@@ -23,6 +23,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import Unpack, override
@@ -367,10 +368,15 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         if self._manager is not None:
             self._manager.begin_backward()  # every rank is here: collectives may start (see groups.py)
             self._manager.note_loss(closure_loss)
-            if not self._manager.nonfinite_loss and self._nothing_reads_gradients():
-                chunked = chunked_of(self.optimizers[0])
-                if chunked is not None:
-                    chunked.step_in_backward()
+            chunked = chunked_of(self.optimizers[0]) if self.optimizers else None
+            if chunked is None or self._manager.nonfinite_loss:
+                return
+            if self._nothing_reads_gradients():
+                chunked.step_in_backward()
+            elif self._nothing_reads_gradients(but_clipping_by_norm=True):
+                chunked.norms_in_backward()  # [Note: gradient norms inside the backward] in optim/overlap.py
+            else:
+                chunked.overlap.forget_norms()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -378,16 +384,22 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             self._manager.finish_backward()
             self._manager.end_backward_steps()
 
-    def _nothing_reads_gradients(self) -> bool:
+    def _nothing_reads_gradients(self, *, but_clipping_by_norm: bool = False) -> bool:
         """Whether no code but the engine's can read or change gradients between this backward and the step
         ([Note: stepping inside the backward] in optim/overlap.py): automatic optimization with one
-        optimizer, no gradient clipping, and no hook between the two overridden in the LightningModule or a
-        callback (nor the module's own ``backward`` or ``optimizer_step``, which may do anything)."""
+        optimizer, no gradient clipping (``but_clipping_by_norm``: none but Lightning's by norm, which the
+        engine applies), and no hook between the two overridden in the LightningModule or a callback (nor the
+        module's own ``backward`` or ``optimizer_step``, which may do anything)."""
         module = self.lightning_module
         if module is None or not module.automatic_optimization or len(self.optimizers) != 1:
             return False
         trainer = module._trainer
-        if trainer is None or trainer.gradient_clip_val:
+        if trainer is None:
+            return False
+        if trainer.gradient_clip_val and not (
+            but_clipping_by_norm
+            and (trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM) == GradClipAlgorithmType.NORM
+        ):
             return False
         for name in _GRADIENT_READERS:
             if is_overridden(name, module, parent=pl.LightningModule):

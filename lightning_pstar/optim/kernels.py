@@ -23,6 +23,7 @@ __all__ = [
     "clip_coefficient",
     "fused_adam",
     "fused_sgd",
+    "grad_norms",
     "join_norms",
     "local_norms",
     "momentum_sgd",
@@ -110,6 +111,12 @@ def momentum_sgd(
 
 
 # ---- gradient norm and clipping ---------------------------------------------------------------------------
+def grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of every gradient of ``grads`` (not empty), stacked where they live: what :func:`local_norms`
+    computes for one list before moving it to its device."""
+    return torch.stack(torch._foreach_norm(grads, 2.0))
+
+
 def local_norms(
     grad_lists: Iterable[list[torch.Tensor]], *, check_finite: bool, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -125,7 +132,7 @@ def local_norms(
     for grads in grad_lists:
         if not grads:
             continue
-        norms.append(torch.stack(torch._foreach_norm(grads, 2.0)).to(device))
+        norms.append(grad_norms(grads).to(device))
         if check_finite:
             peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
             bad.append((~torch.isfinite(peaks)).sum().to(device, torch.float32).reshape(1))

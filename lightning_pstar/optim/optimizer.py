@@ -267,6 +267,11 @@ class ChunkedOptimizer(Optimizer):
         ``optim/overlap.py``); returns whether it is armed."""
         return self.overlap.arm_in_backward()
 
+    def norms_in_backward(self) -> bool:
+        """Arm the coming backward to compute host-side families' gradient norms as their gradients land
+        ([Note: gradient norms inside the backward] in ``optim/overlap.py``); returns whether it is armed."""
+        return self.overlap.arm_norms_in_backward()
+
     def _families_with_grads(self) -> list[ChunkFamily]:
         return [f for f in self._families if any(r.has_grad for r in f.records if r.index in self._book.group_of)]
 
@@ -302,6 +307,10 @@ class ChunkedOptimizer(Optimizer):
         if on_host:
             parts.append(kernels.local_norms([list(on_host.values())], check_finite=check, device=manager.device))
         for family in families:
+            done = None if check or inv_scale != 1.0 else self.overlap.norms_of(family)
+            if done is not None:  # [Note: gradient norms inside the backward] in optim/overlap.py
+                parts.append((done.to(manager.device), None))
+                continue
             grads = family_grads(family, self._book.group_of, mixed=mixed, inv_scale=inv_scale)
             parts.append(kernels.local_norms([list(grads.values())], check_finite=check, device=manager.device))
             del grads
@@ -368,6 +377,7 @@ class ChunkedOptimizer(Optimizer):
         """Forget the gradients of this optimizer's parameters (weights overwritten by gradients are restored
         from the masters); another optimizer's gradients stay for its own step."""
         self._read_norm = None
+        self.overlap.forget_norms()
         self._manager.nonfinite_loss = False  # the gradients of that loss are gone
         self._manager.discard_grads(self._records)
         for p in self._host_params():

@@ -133,13 +133,14 @@ class StageTimes:
     jobs: int = 0
     in_backward: int = 0  # jobs started by a backward ([Note: stepping inside the backward] in optim/overlap.py)
     back_in_backward: int = 0  # ... whose copy back could run inside it ([Note: copies back inside the backward])
+    norms_in_backward: int = 0  # families whose gradient norms a step took from the backward (optim/overlap.py)
 
     def seconds(self) -> dict[str, float]:
         return {"d2h": self.d2h, "adam": self.adam, "h2d": self.h2d, "wait": self.wait}
 
     def reset(self) -> None:
         self.d2h = self.adam = self.h2d = self.wait = 0.0
-        self.jobs = self.in_backward = self.back_in_backward = 0
+        self.jobs = self.in_backward = self.back_in_backward = self.norms_in_backward = 0
 
 
 @dataclass(kw_only=True)
@@ -175,6 +176,7 @@ class StepPipeline:
         self.times = StageTimes()
         self._lanes = _Lanes(host_lanes())  # [Note: host lanes]
         self.early: set[int] = set()  # families whose copy back may run inside the backward (``submit(back_now)``)
+        self._aside: list[Future[torch.Tensor]] = []  # reads run beside the backward (:meth:`run_aside`)
         # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
         # in optim/overlap.py): "pipeline", "serial", or None while "auto" still times both
         self.schedule: str | None = None
@@ -240,6 +242,24 @@ class StepPipeline:
         d2h.submit(self._run_d2h, job)  # each stage hands the job to the next: one hand-off on this thread
         self._jobs[job.family_id] = job
 
+    def run_aside(self, fn: Callable[[], torch.Tensor]) -> Future[torch.Tensor]:
+        """Run ``fn``, a read of host bytes that nothing writes until the step (a family's gradient norms during the
+        backward: [Note: gradient norms inside the backward] in ``optim/overlap.py``), on the D2H stage's worker in
+        a host lane; :meth:`drain` waits for it. Its result, or its error, is the returned future's."""
+        future: Future[torch.Tensor] = Future()
+
+        def run() -> None:
+            try:
+                with self._lanes.held(_D2H, claimed=False):
+                    future.set_result(fn())
+            except BaseException as error:  # noqa: BLE001 - the caller reads it from the future
+                future.set_exception(error)
+
+        self._aside = [f for f in self._aside if not f.done()]
+        self._aside.append(future)
+        self._workers()[0].submit(run)
+        return future
+
     # ---- completion ----------------------------------------------------------------------------------------
     def wait(self, family_id: int) -> None:
         """Finish the job of ``family_id`` if one is in flight (its stages done, then its bookkeeping)."""
@@ -274,7 +294,10 @@ class StepPipeline:
 
     def drain(self, *, only: set[int] | None = None) -> None:
         """Finish every job in flight (``only``: of these families), in submission order; raise the first error once
-        all have stopped."""
+        all have stopped. Reads run aside (:meth:`run_aside`) end first (their errors are their readers')."""
+        aside, self._aside = self._aside, []
+        for future in aside:
+            future.exception()  # waits; the reader of its result sees the error
         if not self._jobs:
             return
         self.open_copies_back()

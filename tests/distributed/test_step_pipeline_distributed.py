@@ -26,21 +26,37 @@ def test_pipelined_step_matches_the_serial_step_at_two_ranks(precision: str, tmp
         RunSpec(tag=mode, save_checkpoint=True, options={**host, "optimizer_overlap": mode}, **common)
         for mode in ("off", "pipeline", "auto")
     ]
-    run_ranks(fit_in_rank, 2, specs)
+    # 32-true with clipping by norm: no step inside the backward, but each owned family's gradient norms are
+    # computed there, on the host ([Note: gradient norms inside the backward] in optim/overlap.py)
+    clipped = {**common, "precision": "32-true", "clip": 0.05, "steps": 6}
+    clip_specs = [
+        RunSpec(tag=f"clip-{mode}", save_checkpoint=True, options={**host, "optimizer_overlap": mode}, **clipped)
+        for mode in ("off", "pipeline")
+    ]
+    run_ranks(fit_in_rank, 2, [*specs, *clip_specs])
 
-    serial = read_records(specs[0])
     for spec in specs[1:]:
-        for rank, (a, b) in enumerate(zip(serial, read_records(spec), strict=True)):
-            assert b["losses"] == a["losses"], f"{spec.tag}, rank {rank}"
-            assert a["memory_report"]["host_step_jobs"] == 0
-            report = b["memory_report"]
+        reports = _same_as_serial(specs[0], spec)
+        for report in reports:
             assert report["host_step_jobs"] > 0 and report["host_steps_in_backward"] > 0, report
-        want = torch.load(specs[0].checkpoint_path, weights_only=True)
-        got = torch.load(spec.checkpoint_path, weights_only=True)
-        for name, value in want["state_dict"].items():
-            assert torch.equal(got["state_dict"][name], value), (spec.tag, name)
-        for index, state in want["optimizer_states"][0]["state"].items():
-            for key, value in state.items():
-                assert torch.equal(got["optimizer_states"][0]["state"][index][key], value), (spec.tag, index, key)
     chosen = [r["memory_report"]["optimizer_schedule"] for r in read_records(specs[2])]
     assert chosen[0] in ("pipeline", "serial") and chosen == [chosen[0]] * 2, chosen  # the ranks agree
+    for report in _same_as_serial(*clip_specs):
+        assert report["host_steps_in_backward"] == 0 and report["host_norms_in_backward"] > 0, report
+
+
+def _same_as_serial(serial_spec: RunSpec, spec: RunSpec) -> list[dict]:
+    """Same losses on every rank and the same checkpoint as the serial run, bitwise; each rank's memory report."""
+    reports = []
+    for rank, (a, b) in enumerate(zip(read_records(serial_spec), read_records(spec), strict=True)):
+        assert b["losses"] == a["losses"], f"{spec.tag}, rank {rank}"
+        assert a["memory_report"]["host_step_jobs"] == 0
+        reports.append(b["memory_report"])
+    want = torch.load(serial_spec.checkpoint_path, weights_only=True)
+    got = torch.load(spec.checkpoint_path, weights_only=True)
+    for name, value in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], value), (spec.tag, name)
+    for index, state in want["optimizer_states"][0]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["optimizer_states"][0]["state"][index][key], value), (spec.tag, index, key)
+    return reports

@@ -90,12 +90,13 @@ def _pair(
     """The serial step's run and ``mode``'s, on the same seed and data: same losses, same final weights."""
     results, reports = [], []
     options = {**HOST, **kwargs.pop("options", {})}
+    extra = list(kwargs.pop("callbacks", []))
     for overlap in ("off", mode):
         peek = Peek()
         strategy = PatrickStarStrategy(optimizer_overlap=overlap, **options)
         if precision == "16-mixed":  # on a CPU Lightning rewrites precision="16-mixed": pass the plugin
             kwargs["plugins"] = [PatrickStarPrecision("16-mixed")]
-        results.append(fit_steps(make(), strategy, precision=precision, steps=STEPS, callbacks=[peek], **kwargs))
+        results.append(fit_steps(make(), strategy, precision=precision, steps=STEPS, callbacks=[peek, *extra], **kwargs))
         assert peek.report is not None
         reports.append(peek.report)
     serial, pipelined = results
@@ -127,6 +128,36 @@ def test_clipping_steps_after_the_backward(algorithm: str, mode: str) -> None:
     _, (_, pipelined) = _pair(_gpt, "bf16-mixed", mode, gradient_clip_val=0.05, gradient_clip_algorithm=algorithm)
     assert _per_step(pipelined) >= pipelined.num_chunks - 1
     assert pipelined.host_steps_in_backward == 0
+    assert pipelined.host_norms_in_backward == 0  # bf16 gradients stay on the device: their norm is taken there
+
+
+class GradReader(L.Callback):
+    """Reads every gradient before the step (a callback the engine cannot see through)."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.total = sum(float(p.grad.float().norm()) for p in pl_module.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(
+    ("mode", "kwargs", "in_backward"),
+    [
+        ("pipeline", {}, True),
+        ("next_forward", {}, True),
+        ("pipeline", {"accumulate_grad_batches": 2}, True),  # the last micro-batch's backward only
+        ("pipeline", {"gradient_clip_algorithm": "value"}, False),  # no norm needed
+        ("pipeline", {"callbacks": [GradReader()]}, False),  # something may read or change gradients first
+    ],
+)
+def test_clipping_norms_inside_the_backward(mode: str, kwargs: dict[str, Any], in_backward: bool) -> None:
+    """32-true, clipping by norm: each host family's gradients land on the host during the backward, and their
+    norms are computed there on a host lane ([Note: gradient norms inside the backward] in optim/overlap.py); the
+    global norm, the clipping and the step stay the serial step's bits."""
+    callbacks = kwargs.pop("callbacks", [])
+    results, (serial, pipelined) = _pair(_gpt, "32-true", mode, gradient_clip_val=0.05, callbacks=callbacks, **kwargs)
+    families = _per_step(pipelined)
+    assert families >= pipelined.num_chunks - 1
+    assert serial.host_norms_in_backward == 0 and pipelined.host_steps_in_backward == 0
+    assert pipelined.host_norms_in_backward == ((STEPS - 1) * families if in_backward else 0)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
