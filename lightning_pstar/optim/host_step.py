@@ -140,6 +140,7 @@ def host_job(
         finish=finish,
         scratch_numel=numel if mixed else 0,
         copies_use_cpu=not device.is_cuda,
+        copies_out=not current,
     )
     if disk is not None:  # a stage raised: every transfer ends and the buffer set is freed, then the error goes on
         job.failed.append(lambda: _end_failed_load(disk, family, [*reads, *writes]))

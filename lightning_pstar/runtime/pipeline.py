@@ -77,6 +77,13 @@ __all__ = ["HostJob", "StageTimes", "StepPipeline", "host_lanes"]
 # the job is handed over: with one lane, the Adam stage would otherwise take it for job after job while job k's copy
 # back waits behind all of them (measured: a forward that needs the first family waited for every family's Adam),
 # although job k is the one the compute needs first.
+#
+# While the calling thread waits for a job (``optimizer.step()`` finishing the jobs it submitted, a module waiting
+# for its family), its core is idle: it lends one more lane for the wait (:meth:`_Lanes.lent`), and the Adam stage
+# has two worker threads, so that two families' Adams, or an Adam and a copy, run at once there. A stage started
+# in the lent lane runs to its end after the wait; no other stage starts until a lane is free again. Lent only with
+# one intra-op thread: each stage is then one core, as the waiting thread's compute was; with more, every stage's
+# kernels already use the whole intra-op pool and a second stage at once would oversubscribe it.
 def host_lanes() -> int:
     """How many of the pipeline's CPU stages may run at once ([Note: host lanes])."""
     try:
@@ -106,11 +113,23 @@ class _Lanes:
             self._claims[stage] += 1
 
     @contextmanager
+    def lent(self) -> Generator[None, None, None]:
+        """One more lane while the calling thread waits for the pipeline (its core is idle meanwhile)."""
+        with self._changed:
+            self._free += 1
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._free -= 1  # a stage running in the lent lane ends first; no new one starts until then
+
+    @contextmanager
     def held(self, stage: int, *, claimed: bool) -> Generator[None, None, None]:
         with self._changed:
             if not claimed:
                 self._claims[stage] += 1
-            while self._free == 0 or any(self._claims[stage + 1 :]):
+            while self._free <= 0 or any(self._claims[stage + 1 :]):
                 self._changed.wait()
             self._claims[stage] -= 1
             self._free -= 1
@@ -158,6 +177,7 @@ class HostJob:
     after: list[Callable[[], None]] = field(default_factory=list)  # ... and after it
     skip_back: bool = False  # the H2D stage does not run: the family's param chunk goes to the host instead
     copies_use_cpu: bool = True  # its copies are CPU work (a simulated device), not a DMA engine's (CUDA)
+    copies_out: bool = True  # its D2H stage copies something (not when the host copy is current already)
     _done: Future[None] | None = field(default=None, repr=False)
     _back_open: bool = field(default=False, repr=False)  # its H2D stage may run (under the pipeline's lock)
 
@@ -168,7 +188,7 @@ class StepPipeline:
     def __init__(self) -> None:
         self._stages: list[ThreadPoolExecutor] | None = None
         self._jobs: dict[int, HostJob] = {}  # family id -> job in flight, in submission order
-        self._scratch: torch.Tensor | None = None  # fp32, owned by the Adam stage
+        self._scratch = threading.local()  # per Adam worker thread: its fp32 scratch (``buffer``)
         self._copies_back_open = True
         self._lock = threading.Lock()  # guards the hand-over from the Adam stage to the H2D stage
         self._held: list[HostJob] = []  # jobs past their Adam stage whose H2D stage waits for the backward's end
@@ -319,13 +339,17 @@ class StepPipeline:
                 for stage in self._stages:
                     stage.shutdown(wait=True)
                 self._stages = None
-            self._scratch = None
+            self._scratch = threading.local()
 
     def _finish(self, job: HostJob) -> None:
         assert job._done is not None
         start = perf_counter()
         try:
-            job._done.result()
+            if job._done.done() or torch.get_num_threads() != 1:
+                job._done.result()
+            else:  # [Note: host lanes]: the waiting thread's core runs a stage meanwhile
+                with self._lanes.lent():
+                    job._done.result()
         except BaseException:
             for undo in job.failed:
                 undo()
@@ -344,15 +368,16 @@ class StepPipeline:
     # ---- workers -------------------------------------------------------------------------------------------
     def _workers(self) -> list[ThreadPoolExecutor]:
         if self._stages is None:
-            names = ("d2h", "adam", "h2d")
-            self._stages = [ThreadPoolExecutor(1, thread_name_prefix=f"pstar-{name}") for name in names]
+            threads = {"d2h": 1, "adam": 2, "h2d": 1}  # two Adams at once in a lent lane ([Note: host lanes])
+            self._stages = [ThreadPoolExecutor(n, thread_name_prefix=f"pstar-{name}") for name, n in threads.items()]
         return self._stages
 
     def _scratch_for(self, numel: int) -> torch.Tensor:
         """The Adam stage's fp32 scratch (only that stage's thread calls this): grown, never shrunk."""
-        if self._scratch is None or self._scratch.numel() < numel:
-            self._scratch = torch.empty(numel, dtype=torch.float32)
-        return self._scratch[:numel]
+        buffer: torch.Tensor | None = getattr(self._scratch, "buffer", None)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._scratch.buffer = torch.empty(numel, dtype=torch.float32)
+        return buffer[:numel]
 
     def _timed(self, stage: str, fn: Callable[[], None]) -> None:
         start = perf_counter()
@@ -372,7 +397,7 @@ class StepPipeline:
             self._lanes.claim(_ADAM)
             self._workers()[1].submit(self._run_adam, job)
 
-        self._stage(job, _D2H, job.d2h, on_cpu=job.copies_use_cpu, claimed=False, then=then)
+        self._stage(job, _D2H, job.d2h, on_cpu=job.copies_use_cpu and job.copies_out, claimed=False, then=then)
 
     def _run_adam(self, job: HostJob) -> None:
         def then() -> None:

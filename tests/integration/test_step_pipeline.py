@@ -96,7 +96,9 @@ def _pair(
         strategy = PatrickStarStrategy(optimizer_overlap=overlap, **options)
         if precision == "16-mixed":  # on a CPU Lightning rewrites precision="16-mixed": pass the plugin
             kwargs["plugins"] = [PatrickStarPrecision("16-mixed")]
-        results.append(fit_steps(make(), strategy, precision=precision, steps=STEPS, callbacks=[peek, *extra], **kwargs))
+        results.append(
+            fit_steps(make(), strategy, precision=precision, steps=STEPS, callbacks=[peek, *extra], **kwargs)
+        )
         assert peek.report is not None
         reports.append(peek.report)
     serial, pipelined = results

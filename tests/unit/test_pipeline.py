@@ -143,28 +143,43 @@ def test_host_lanes_leave_the_compute_its_cores(monkeypatch: pytest.MonkeyPatch)
     assert module.host_lanes() == 1
 
 
-def test_cpu_stages_never_run_beyond_the_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With one lane, the D2H, Adam and H2D stages of different jobs never run CPU work at the same time."""
+@pytest.mark.parametrize("intra_op", [1, 2])
+def test_cpu_stages_never_run_beyond_the_lanes(monkeypatch: pytest.MonkeyPatch, intra_op: int) -> None:
+    """With one lane, the D2H, Adam and H2D stages of different jobs never run CPU work at the same time, but one
+    more lane while the calling thread waits for them with one intra-op thread ([Note: host lanes]: its core is
+    idle then); the Adam stage's two threads use it, so two Adams run at once."""
     from lightning_pstar.runtime import pipeline as module
 
     monkeypatch.setattr(module, "host_lanes", lambda: 1)
+    monkeypatch.setattr(module.torch, "get_num_threads", lambda: intra_op)
     pipeline = StepPipeline()
-    running, most = [0], [0]
+    running: list[str] = []
+    most, adams_at_once = [0], [0]
     lock = threading.Lock()
 
-    def work(*args: Any) -> None:
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        threading.Event().wait(0.01)
-        with lock:
-            running[0] -= 1
+    def stage(name: str) -> Any:
+        def work(*args: Any) -> None:
+            with lock:
+                running.append(name)
+                most[0] = max(most[0], len(running))
+                adams_at_once[0] = max(adams_at_once[0], running.count("adam"))
+            threading.Event().wait(0.02 if name == "adam" else 0.005)
+            with lock:
+                running.remove(name)
+
+        return work
 
     for fid in range(6):
-        pipeline.submit(HostJob(family_id=fid, d2h=work, adam=work, h2d=work, finish=lambda _: None, scratch_numel=1))
+        pipeline.submit(
+            HostJob(
+                family_id=fid, d2h=stage("d2h"), adam=stage("adam"), h2d=stage("h2d"), finish=lambda _: None,
+                scratch_numel=1,
+            )
+        )  # fmt: skip
     pipeline.drain()
     pipeline.close()
-    assert most[0] == 1
+    assert most[0] == (2 if intra_op == 1 else 1)
+    assert adams_at_once[0] == (2 if intra_op == 1 else 1)
 
 
 def test_one_lane_finishes_the_oldest_job_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,6 +189,7 @@ def test_one_lane_finishes_the_oldest_job_first(monkeypatch: pytest.MonkeyPatch)
     from lightning_pstar.runtime import pipeline as module
 
     monkeypatch.setattr(module, "host_lanes", lambda: 1)
+    monkeypatch.setattr(module.torch, "get_num_threads", lambda: 2)  # the waiting thread lends no lane
     pipeline = StepPipeline()
     order: list[tuple[str, int]] = []
 
