@@ -145,7 +145,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:  # type: ignore[override]
-        # one rank sees the batches `strategy="auto"` sees ([Note: one rank, auto's batches] in strategy.py):
+        # one rank sees the batches `strategy="auto"` sees ([Note: one rank, auto's batches] in data_order.py):
         # Fabric injects a DistributedSampler only where this is not None
         if self.num_nodes * self.num_processes == 1:
             return None

@@ -39,6 +39,7 @@ from lightning_pstar.checkpointing import (
     write_sharded_checkpoint,
 )
 from lightning_pstar.config import PStarConfig, PStarOptions
+from lightning_pstar.data_order import keep_data_order
 from lightning_pstar.glue import (
     EngineAccess,
     build_engine,
@@ -184,7 +185,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         assert self.accelerator is not None
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
-        self._keep_data_order(trainer)
+        keep_data_order(trainer, self.world_size)
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         if self.is_global_zero and not self._warned_slow_bf16:
@@ -206,25 +207,6 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
-    def _keep_data_order(self, trainer: pl.Trainer) -> None:
-        """At one rank, see the batches ``strategy="auto"`` sees: no ``DistributedSampler`` is injected.
-
-        [Note: one rank, auto's batches]
-        Lightning injects a ``DistributedSampler`` for every ``DDPStrategy`` subclass when
-        ``use_distributed_sampler`` is on (the default), even at world size 1, where it only reorders the data:
-        for training it always shuffles (``shuffle=True`` whatever the loader's sampler; seed ``PL_GLOBAL_SEED``
-        or 0), so a shuffled loader draws another permutation than ``auto``'s ``RandomSampler``, an unshuffled
-        one is shuffled, and a user comparing against ``strategy="auto"`` sees different losses from identical
-        weights. At one rank the Trainer's switch is turned off for this run (the only place Lightning reads it
-        is ``_DataConnector._requires_distributed_sampler``); a ``DistributedSampler`` the user puts in a
-        ``DataLoader`` is kept, as Lightning keeps it. Several ranks are left as ``ddp`` has them. A one-rank
-        run that must see the global batches of a W-rank run (a W-rank checkpoint resumed at one rank) puts in
-        ``DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)`` (the same seed): the permutation that
-        W ranks split, rank r taking every W-th index from r.
-        """
-        if self.world_size == 1:
-            trainer._accelerator_connector.use_distributed_sampler = False
 
     def _move_buffers(self, module: nn.Module) -> None:
         """Buffers and parameter-free submodules to the root device (see :func:`~lightning_pstar.glue.move_buffers`)."""

@@ -1,15 +1,19 @@
-"""The iteration's boundaries both glues share (``lightning_pstar/iteration.py``) and the disk tier's operation
-futures (``runtime/disk_ops.py``), on their own: a recording stand-in for the manager, plain futures."""
+"""The iteration's boundaries both glues share (``lightning_pstar/iteration.py``), the data order at one rank
+(``data_order.py``) and the disk tier's operation futures (``runtime/disk_ops.py``), on their own: a recording
+stand-in for the manager, plain futures."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any, cast
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
+from lightning_pstar.data_order import keep_data_order
 from lightning_pstar.iteration import accumulating, eval_pass, nothing_reads_gradients, optimizer_stepped
 from lightning_pstar.runtime.disk_ops import DiskOp, copy_outcome
 from lightning_pstar.runtime.manager import ChunkManager
@@ -80,9 +84,13 @@ class _Manual(_Plain):
 
 
 class _Trainer:
-    def __init__(self, clip: float | None = None, callbacks: list[pl.Callback] | None = None) -> None:
+    def __init__(
+        self, clip: float | None = None, algorithm: str | None = None, callbacks: list[pl.Callback] | None = None
+    ) -> None:
         self.gradient_clip_val = clip
+        self.gradient_clip_algorithm = None if algorithm is None else GradClipAlgorithmType(algorithm)
         self.callbacks = callbacks or []
+        self._accelerator_connector = SimpleNamespace(use_distributed_sampler=True)
 
 
 class _ReadingCallback(pl.Callback):
@@ -106,6 +114,22 @@ def test_nothing_reads_gradients_only_without_readers_between_backward_and_step(
     assert not nothing_reads_gradients(_attached(_Reads(), _Trainer()), one)
     assert not nothing_reads_gradients(_attached(_Manual(), _Trainer()), one)
     assert not nothing_reads_gradients(_attached(_Plain(), _Trainer(callbacks=[_ReadingCallback()])), one)
+
+
+@pytest.mark.parametrize(("algorithm", "expected"), [(None, True), ("norm", True), ("value", False)])
+def test_nothing_reads_gradients_but_clipping_by_norm(algorithm: str | None, expected: bool) -> None:
+    module = _attached(_Plain(), _Trainer(clip=1.0, algorithm=algorithm))
+    assert nothing_reads_gradients(module, [object()], but_clipping_by_norm=True) is expected
+    assert not nothing_reads_gradients(module, [object()])
+    reading = _attached(_Reads(), _Trainer(clip=1.0, algorithm=algorithm))
+    assert not nothing_reads_gradients(reading, [object()], but_clipping_by_norm=True)
+
+
+@pytest.mark.parametrize(("world_size", "injects"), [(1, False), (2, True)])
+def test_keep_data_order_turns_the_sampler_injection_off_at_one_rank_only(world_size: int, injects: bool) -> None:
+    trainer = _Trainer()
+    keep_data_order(cast(pl.Trainer, trainer), world_size)
+    assert trainer._accelerator_connector.use_distributed_sampler is injects
 
 
 def _done(error: BaseException | None = None) -> Future[None]:
