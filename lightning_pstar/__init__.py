@@ -46,7 +46,7 @@ _HOMES = {
     "MemoryBudgetError": "lightning_pstar.planning.requirements",
     "MemoryReport": "lightning_pstar.report",
     "PatrickStarPrecision": "lightning_pstar.precision",
-    "PatrickStarFabricPrecision": "lightning_pstar.fabric",
+    "PatrickStarFabricPrecision": "lightning_pstar.precision",
     "PatrickStarFabricStrategy": "lightning_pstar.fabric",
     "PatrickStarMonitor": "lightning_pstar.callbacks",
     "plot_tide": "lightning_pstar.callbacks",
@@ -83,9 +83,9 @@ def _register() -> None:
 if TYPE_CHECKING or not _started_as_command(getattr(sys, "orig_argv", [])):
     from lightning_pstar.callbacks import PatrickStarMonitor, plot_tide
     from lightning_pstar.config import LossScaleConfig, Placement, PStarConfig
-    from lightning_pstar.fabric import PatrickStarFabricPrecision, PatrickStarFabricStrategy
+    from lightning_pstar.fabric import PatrickStarFabricStrategy
     from lightning_pstar.planning.requirements import MemoryBudgetError
-    from lightning_pstar.precision import PatrickStarPrecision
+    from lightning_pstar.precision import PatrickStarFabricPrecision, PatrickStarPrecision
     from lightning_pstar.report import MemoryReport
     from lightning_pstar.strategy import PatrickStarStrategy
 

@@ -31,7 +31,6 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.types import _PATH, Optimizable
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
@@ -48,11 +47,11 @@ from lightning_pstar.glue import (
     register_names,
     resolve_config,
 )
+from lightning_pstar.iteration import accumulating, eval_pass, optimizer_stepped
 from lightning_pstar.optim import ChunkedOptimizer
-from lightning_pstar.precision import ChunkPrecision
+from lightning_pstar.precision import PatrickStarFabricPrecision
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
-from lightning_pstar.runtime.state import MicroBatch
 from lightning_pstar.runtime.tracer import out_of_memory_as_error
 from lightning_pstar.setup_checks import refuse_no_trainable_parameters, refuse_shared_parameters
 
@@ -68,49 +67,6 @@ _FABRIC_ARGUMENTS = (
     "timeout",
     "start_method",
 )
-
-
-def _convert_fp(tensor: Tensor, dtype: torch.dtype) -> Tensor:
-    return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
-
-
-class PatrickStarFabricPrecision(ChunkPrecision):
-    """Fabric's precision plugin of the PatrickStar strategy (see :class:`~lightning_pstar.precision.ChunkPrecision`).
-
-    In mixed precision, inputs and outputs of the set-up model are converted as Fabric's own ``MixedPrecision``
-    converts them (floating inputs to the compute dtype, floating outputs to the default dtype).
-    """
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        if not self.mixed:
-            return data
-        return apply_to_collection(data, Tensor, _convert_fp, self.compute_dtype)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        if not self.mixed:
-            return data
-        return apply_to_collection(data, Tensor, _convert_fp, torch.get_default_dtype())
-
-    @override
-    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        self.scaled(tensor).backward(*args, **kwargs)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        chunked = self.begin_step(optimizer)
-        stepped = False
-        try:
-            result = chunked.step(**kwargs)
-            stepped = True
-        finally:
-            self.end_step(chunked, stepped=stepped)
-        return result
-
-    @override
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        pass  # the chunked optimizer's step unscales (fp16), family by family
 
 
 class _ChunkedModule(nn.Module):
@@ -138,16 +94,7 @@ class _ChunkBackwardSync(_BackwardSyncControl):
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        return self._accumulating()
-
-    @contextmanager
-    def _accumulating(self) -> Generator[None, None, None]:
-        manager = self._strategy.chunk_manager
-        manager.micro_batch = MicroBatch.ACCUMULATING
-        try:
-            yield
-        finally:
-            manager.micro_batch = MicroBatch.FINAL
+        return accumulating(self._strategy.chunk_manager)
 
 
 class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
@@ -198,7 +145,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:  # type: ignore[override]
-        # one rank sees the batches `strategy="auto"` sees ([Note: one rank, auto's batches] in strategy.py):
+        # one rank sees the batches `strategy="auto"` sees ([Note: one rank, auto's batches] in data_order.py):
         # Fabric injects a DistributedSampler only where this is not None
         if self.num_nodes * self.num_processes == 1:
             return None
@@ -332,9 +279,8 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
                 yield  # a forward without autograd inside the training micro-batch
             else:
                 manager.end_training()
-                manager.begin_eval_pass()
-                yield  # a forward that raises ends the pass on this rank only: no collectives after it
-                manager.end_eval_pass()
+                with eval_pass(manager):
+                    yield  # a forward that raises ends the pass on this rank only: no collectives after it
         finally:
             self._in_forward = False
 
@@ -367,10 +313,8 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         with out_of_memory_as_error(manager):
             result = self.precision.optimizer_step(optimizer, **kwargs)
         self._batch_open = False  # a forward after a step starts a micro-batch, even if no backward came between
-        if len(self._optimizers) == 1:
-            manager.end_warmup_if_recording()  # one step per iteration: the warm-up ends with it
-        else:
-            manager.optimizer_stepped()  # several optimizers may step per iteration
+        # one step per iteration ends the warm-up; several optimizers may step per iteration
+        optimizer_stepped(manager, one_per_iteration=len(self._optimizers) == 1)
         return result
 
     @override

@@ -6,7 +6,7 @@ The gradient arithmetic itself (unscale, clip, update) runs inside the chunked o
 this plugin configures through :class:`~lightning_pstar.optim.GradientPolicy`.
 
 :class:`ChunkPrecision` holds what the Trainer's plugin (:class:`PatrickStarPrecision`, here) and Fabric's
-(:class:`~lightning_pstar.fabric.PatrickStarFabricPrecision`) share: the compute dtype, autocast, the loss
+(:class:`PatrickStarFabricPrecision`, here too) share: the compute dtype, autocast, the loss
 scale and its update, clipping set for the next step, and their state; each glue adds only its own hooks.
 """
 
@@ -19,16 +19,18 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from torch import Tensor
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Self, override
 
 from lightning_pstar.config import SUPPORTED_PRECISIONS, LossScaleConfig
 from lightning_pstar.optim import ChunkedOptimizer
 
-__all__ = ["ChunkPrecision", "PatrickStarPrecision", "SUPPORTED_PRECISIONS"]
+__all__ = ["ChunkPrecision", "PatrickStarFabricPrecision", "PatrickStarPrecision", "SUPPORTED_PRECISIONS"]
 
 _DTYPES = dict(zip(SUPPORTED_PRECISIONS, (torch.float16, torch.bfloat16, torch.float32), strict=True))
 
@@ -212,3 +214,46 @@ class PatrickStarPrecision(ChunkPrecision, Precision):
         if gradient_clip_algorithm not in (GradClipAlgorithmType.VALUE, GradClipAlgorithmType.NORM):
             raise ValueError(f"unknown gradient clipping algorithm {gradient_clip_algorithm!r}")  # pragma: no cover
         self.clip_next_step(optimizer, clip_val, by_norm=gradient_clip_algorithm == GradClipAlgorithmType.NORM)
+
+
+def _convert_fp(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
+
+
+class PatrickStarFabricPrecision(ChunkPrecision):
+    """Fabric's precision plugin of the PatrickStar strategy (see :class:`~lightning_pstar.precision.ChunkPrecision`).
+
+    In mixed precision, inputs and outputs of the set-up model are converted as Fabric's own ``MixedPrecision``
+    converts them (floating inputs to the compute dtype, floating outputs to the default dtype).
+    """
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if not self.mixed:
+            return data
+        return apply_to_collection(data, Tensor, _convert_fp, self.compute_dtype)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        if not self.mixed:
+            return data
+        return apply_to_collection(data, Tensor, _convert_fp, torch.get_default_dtype())
+
+    @override
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self.scaled(tensor).backward(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        chunked = self.begin_step(optimizer)
+        stepped = False
+        try:
+            result = chunked.step(**kwargs)
+            stepped = True
+        finally:
+            self.end_step(chunked, stepped=stepped)
+        return result
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        pass  # the chunked optimizer's step unscales (fp16), family by family

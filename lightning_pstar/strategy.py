@@ -23,8 +23,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import Unpack, override
 
@@ -41,6 +39,7 @@ from lightning_pstar.checkpointing import (
     write_sharded_checkpoint,
 )
 from lightning_pstar.config import PStarConfig, PStarOptions
+from lightning_pstar.data_order import keep_data_order
 from lightning_pstar.glue import (
     EngineAccess,
     build_engine,
@@ -52,11 +51,11 @@ from lightning_pstar.glue import (
     wrap_optimizers,
 )
 from lightning_pstar.hardware import warn_if_slow_bf16
+from lightning_pstar.iteration import accumulating, eval_pass, nothing_reads_gradients, optimizer_stepped
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
-from lightning_pstar.runtime.state import MicroBatch
 from lightning_pstar.runtime.tracer import out_of_memory_as_error
 from lightning_pstar.setup_checks import explain_optimizer_setup_error, refuse_no_trainable_parameters
 
@@ -74,16 +73,6 @@ _LIGHTNING_ARGUMENTS = (
     "process_group_backend",
     "timeout",
     "start_method",
-)
-
-
-# LightningModule hooks that run between the backward and the optimizer step and may read or change gradients
-_GRADIENT_READERS = (
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "configure_gradient_clipping",
-    "optimizer_step",
-    "backward",
 )
 
 
@@ -196,7 +185,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         assert self.accelerator is not None
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
-        self._keep_data_order(trainer)
+        keep_data_order(trainer, self.world_size)
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         if self.is_global_zero and not self._warned_slow_bf16:
@@ -218,25 +207,6 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
-    def _keep_data_order(self, trainer: pl.Trainer) -> None:
-        """At one rank, see the batches ``strategy="auto"`` sees: no ``DistributedSampler`` is injected.
-
-        [Note: one rank, auto's batches]
-        Lightning injects a ``DistributedSampler`` for every ``DDPStrategy`` subclass when
-        ``use_distributed_sampler`` is on (the default), even at world size 1, where it only reorders the data:
-        for training it always shuffles (``shuffle=True`` whatever the loader's sampler; seed ``PL_GLOBAL_SEED``
-        or 0), so a shuffled loader draws another permutation than ``auto``'s ``RandomSampler``, an unshuffled
-        one is shuffled, and a user comparing against ``strategy="auto"`` sees different losses from identical
-        weights. At one rank the Trainer's switch is turned off for this run (the only place Lightning reads it
-        is ``_DataConnector._requires_distributed_sampler``); a ``DistributedSampler`` the user puts in a
-        ``DataLoader`` is kept, as Lightning keeps it. Several ranks are left as ``ddp`` has them. A one-rank
-        run that must see the global batches of a W-rank run (a W-rank checkpoint resumed at one rank) puts in
-        ``DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)`` (the same seed): the permutation that
-        W ranks split, rank r taking every W-th index from r.
-        """
-        if self.world_size == 1:
-            trainer._accelerator_connector.use_distributed_sampler = False
 
     def _move_buffers(self, module: nn.Module) -> None:
         """Buffers and parameter-free submodules to the root device (see :func:`~lightning_pstar.glue.move_buffers`)."""
@@ -293,39 +263,28 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._manager is not None:
             module = self.lightning_module
-            if len(self.optimizers) == 1 and module is not None and module.automatic_optimization:
-                self._manager.end_warmup_if_recording()  # one step per iteration: the warm-up ends with it
-            else:
-                self._manager.optimizer_stepped()  # manual loops may step several optimizers per batch
+            # one step per iteration ends the warm-up; manual loops may step several optimizers per batch
+            one = len(self.optimizers) == 1 and module is not None and module.automatic_optimization
+            optimizer_stepped(self._manager, one_per_iteration=one)
         return result
 
     def _leave_training(self) -> None:
         if self._manager is not None:
             self._manager.end_training()
 
-    @contextmanager
-    def _eval_pass(self) -> Generator[None, None, None]:
-        # with several ranks, an evaluation step is a pass of its own: its gathers start and end on every rank
-        manager = self._manager
-        if manager is not None:
-            manager.begin_eval_pass()
-        yield  # a step that raises ends the pass on this rank only: no collectives after it
-        if manager is not None:
-            manager.end_eval_pass()
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._eval_pass():
+        with eval_pass(self._manager):
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._eval_pass():
+        with eval_pass(self._manager):
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._eval_pass():
+        with eval_pass(self._manager):
             return super().predict_step(*args, **kwargs)
 
     @override
@@ -349,12 +308,8 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         # Lightning enters this for every micro-batch that only accumulates gradients
-        manager = self._require_manager()
-        manager.micro_batch = MicroBatch.ACCUMULATING
-        try:
+        with accumulating(self._require_manager()):
             yield
-        finally:
-            manager.micro_batch = MicroBatch.FINAL
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -371,9 +326,9 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             chunked = chunked_of(self.optimizers[0]) if self.optimizers else None
             if chunked is None or self._manager.nonfinite_loss:
                 return
-            if self._nothing_reads_gradients():
+            if nothing_reads_gradients(self.lightning_module, self.optimizers):
                 chunked.step_in_backward()
-            elif self._nothing_reads_gradients(but_clipping_by_norm=True):
+            elif nothing_reads_gradients(self.lightning_module, self.optimizers, but_clipping_by_norm=True):
                 chunked.norms_in_backward()  # [Note: gradient norms inside the backward] in optim/overlap.py
             else:
                 chunked.overlap.forget_norms()
@@ -383,32 +338,6 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         if self._manager is not None:
             self._manager.finish_backward()
             self._manager.end_backward_steps()
-
-    def _nothing_reads_gradients(self, *, but_clipping_by_norm: bool = False) -> bool:
-        """Whether no code but the engine's can read or change gradients between this backward and the step
-        ([Note: stepping inside the backward] in optim/overlap.py): automatic optimization with one
-        optimizer, no gradient clipping (``but_clipping_by_norm``: none but Lightning's by norm, which the
-        engine applies), and no hook between the two overridden in the LightningModule or a callback (nor the
-        module's own ``backward`` or ``optimizer_step``, which may do anything)."""
-        module = self.lightning_module
-        if module is None or not module.automatic_optimization or len(self.optimizers) != 1:
-            return False
-        trainer = module._trainer
-        if trainer is None:
-            return False
-        if trainer.gradient_clip_val and not (
-            but_clipping_by_norm
-            and (trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM) == GradClipAlgorithmType.NORM
-        ):
-            return False
-        for name in _GRADIENT_READERS:
-            if is_overridden(name, module, parent=pl.LightningModule):
-                return False
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            for name in ("on_after_backward", "on_before_optimizer_step"):
-                if is_overridden(name, callback, parent=pl.Callback):
-                    return False
-        return True
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     @property

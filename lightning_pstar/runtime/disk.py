@@ -59,6 +59,7 @@ import torch
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.runtime.aligned import ALIGNMENT, AlignedArena, align_up, is_aligned
 from lightning_pstar.runtime.disk_check import DISK_FREE_FRACTION, check_disk_path
+from lightning_pstar.runtime.disk_ops import DiskOp, copy_outcome
 from lightning_pstar.runtime.disk_stats import DiskMeter, DiskStats
 from lightning_pstar.runtime.run_directory import RunDirectory
 
@@ -96,33 +97,6 @@ class _KeyFile:
     dtype: torch.dtype
     nbytes: int  # logical bytes (numel * itemsize); the file holds align_up(nbytes)
     failed: str | None = None  # why the last write failed: the file's bytes are then undefined
-
-
-class _Op:
-    """One read or write: ``parts`` block transfers completing one outer future."""
-
-    def __init__(self, outer: Future[None], parts: int, finish: Callable[[], None]) -> None:
-        self.outer, self.remaining, self.finish = outer, parts, finish
-        self.error: BaseException | None = None
-        self.lock = threading.Lock()
-
-    def part_done(self, part: Future[None]) -> None:
-        error = part.exception()
-        with self.lock:
-            if error is not None and self.error is None:
-                self.error = error
-            self.remaining -= 1
-            last = self.remaining == 0
-        if not last:
-            return
-        try:
-            self.finish()
-        except BaseException as err:  # noqa: B036 - handed to the caller through the future
-            self.error = self.error or err
-        if self.error is not None:
-            self.outer.set_exception(self.error)
-        else:
-            self.outer.set_result(None)
 
 
 class DiskStore:
@@ -366,7 +340,7 @@ class DiskStore:
             except BaseException as err:  # noqa: B036 - handed to the caller through the future
                 outer.set_exception(err)
                 return
-            inner.add_done_callback(lambda f: _copy_outcome(f, outer))
+            inner.add_done_callback(lambda f: copy_outcome(f, outer))
 
         if previous is None:
             start()
@@ -395,7 +369,7 @@ class DiskStore:
         ]
         kind = "write" if write else "read"
         outer: Future[None] = Future()
-        op = _Op(outer, len(spans), finish=lambda: self._finish(kf, kind))
+        op = DiskOp(outer, len(spans), finish=lambda: self._finish(kf, kind))
         if write:
             kf.failed = None
         for offset, length, staged in spans:
@@ -468,14 +442,6 @@ def _allocate(fd: int, size: int) -> None:
         # no fallocate on this filesystem (glibc's emulation writes through the O_DIRECT descriptor and fails):
         # a sparse file of the size; its blocks are allocated by the first write
         os.ftruncate(fd, size)
-
-
-def _copy_outcome(source: Future[None], target: Future[None]) -> None:
-    error = source.exception()
-    if error is not None:
-        target.set_exception(error)
-    else:
-        target.set_result(None)
 
 
 _HINTS = {

@@ -39,7 +39,7 @@ def global_batch_sampler(dataset: Dataset) -> DistributedSampler:
     For training, Lightning injects ``DistributedSampler(shuffle=True)`` at W ranks whatever the loader's
     own sampler (a ``shuffle=False`` loader is shuffled too): every rank draws the same permutation for the epoch
     and rank r takes its indices r, r + W, r + 2W, ... At one rank no sampler is injected ([Note: one rank,
-    auto's batches] in lightning_pstar/strategy.py), so a one-rank run with W times the batch puts this one in
+    auto's batches] in lightning_pstar/data_order.py), so a one-rank run with W times the batch puts this one in
     its loader: the same permutation unsplit, so its batch k holds exactly the samples of the W ranks' batches k.
     Lightning sets its epoch as it does for the injected one; the seed is Lightning's (``PL_GLOBAL_SEED`` or 0).
     """
