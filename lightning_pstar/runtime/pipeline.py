@@ -102,7 +102,10 @@ class _Lanes:
     Adam, then D2H: the stage that finishes a job first, [Note: host lanes]). Each stage is one worker thread."""
 
     def __init__(self, count: int) -> None:
+        self._count = count
         self._free = count
+        self._lent = 0  # lanes lent by waiting callers now
+        self.lent_runs = 0  # stages that started beyond ``count`` (in a lent lane)
         self._claims = [0, 0, 0]  # per stage: handed to its worker (or waiting there) and not running yet
         self._changed = threading.Condition()
 
@@ -117,12 +120,14 @@ class _Lanes:
         """One more lane while the calling thread waits for the pipeline (its core is idle meanwhile)."""
         with self._changed:
             self._free += 1
+            self._lent += 1
             self._changed.notify_all()
         try:
             yield
         finally:
             with self._changed:
                 self._free -= 1  # a stage running in the lent lane ends first; no new one starts until then
+                self._lent -= 1
 
     @contextmanager
     def held(self, stage: int, *, claimed: bool) -> Generator[None, None, None]:
@@ -133,6 +138,8 @@ class _Lanes:
                 self._changed.wait()
             self._claims[stage] -= 1
             self._free -= 1
+            if self._count + self._lent - self._free > self._count:
+                self.lent_runs += 1
         try:
             yield
         finally:
@@ -210,6 +217,11 @@ class StepPipeline:
         if self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams
+
+    @property
+    def lent_runs(self) -> int:
+        """Stages that ran in a lane a waiting caller lent ([Note: host lanes]), over the pipeline's life."""
+        return self._lanes.lent_runs
 
     # ---- submission ----------------------------------------------------------------------------------------
     @property

@@ -133,6 +133,30 @@ def test_clipping_steps_after_the_backward(algorithm: str, mode: str) -> None:
     assert pipelined.host_norms_in_backward == 0  # bf16 gradients stay on the device: their norm is taken there
 
 
+class LanePeek(L.Callback):
+    """Stages that ran in a lane lent by a waiting caller, at the end of training."""
+
+    lent_runs = 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.lent_runs = trainer.strategy._manager.pipeline.lent_runs  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("precision", "clip"), [("32-true", True), ("bf16-mixed", True), ("bf16-mixed", False)])
+def test_lent_lanes_keep_the_bits(precision: str, clip: bool) -> None:
+    """With one intra-op thread a caller waiting for the pipeline lends its core: two families' Adams (or an Adam
+    and a copy) run at once ([Note: host lanes] in runtime/pipeline.py), with the serial step's bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    peek = LanePeek()
+    try:
+        _pair(_gpt, precision, "pipeline", gradient_clip_val=0.05 if clip else None, callbacks=[peek])
+    finally:
+        torch.set_num_threads(threads)
+    if clip:  # every family steps after the backward, while step() waits
+        assert peek.lent_runs > 0
+
+
 class GradReader(L.Callback):
     """Reads every gradient before the step (a callback the engine cannot see through)."""
 
