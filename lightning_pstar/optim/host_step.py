@@ -141,6 +141,7 @@ def host_job(
         scratch_numel=numel if mixed else 0,
         copies_use_cpu=not device.is_cuda,
         copies_out=not current,
+        opened=copies.opened,
     )
     if disk is not None:  # a stage raised: every transfer ends and the buffer set is freed, then the error goes on
         job.failed.append(lambda: _end_failed_load(disk, family, [*reads, *writes]))
@@ -162,6 +163,7 @@ class _Copies:
         self.device, self.host, self.skip_out = device, host, skip_out
         self.cuda = device.is_cuda
         self._ready: torch.cuda.Event | None = None
+        self._open: torch.cuda.Event | None = None
         self._back: torch.cuda.Event | None = None
         if self.cuda:  # the gradients were written by kernels queued on the compute stream until now
             assert streams is not None, "a CUDA job needs the pipeline's copy streams"
@@ -183,11 +185,22 @@ class _Copies:
             done.record(self._out_stream)
         done.synchronize()  # the Adam stage reads the host bytes next
 
+    def opened(self) -> None:
+        """The calling thread: the copy back may run from now on. On CUDA it waits for the compute stream's work
+        queued until now: kernels of the backward that read the device bytes may still be queued when the engine
+        lets it run (at the backward's end, or inside it once nothing autograd saved reads them any more)."""
+        if self.cuda:
+            self._open = torch.cuda.Event()
+            self._open.record(torch.cuda.current_stream(self.device.device))
+
     def back(self) -> None:
         if not self.cuda:
             self.device.copy_(self.host)
             return
         with torch.cuda.stream(self._back_stream):
+            after = self._open if self._open is not None else self._ready
+            if after is not None:
+                self._back_stream.wait_event(after)
             self.device.copy_(self.host, non_blocking=True)
             self._back = torch.cuda.Event()
             self._back.record(self._back_stream)

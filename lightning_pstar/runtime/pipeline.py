@@ -185,6 +185,10 @@ class HostJob:
     skip_back: bool = False  # the H2D stage does not run: the family's param chunk goes to the host instead
     copies_use_cpu: bool = True  # its copies are CPU work (a simulated device), not a DMA engine's (CUDA)
     copies_out: bool = True  # its D2H stage copies something (not when the host copy is current already)
+    # called on the calling thread when its copy back may run from now on (CUDA: the copy waits for the compute
+    # stream's work queued until then, the backward's last reads of the device bytes: see ``_Copies`` in
+    # optim/host_step.py)
+    opened: Callable[[], None] | None = None
     _done: Future[None] | None = field(default=None, repr=False)
     _back_open: bool = field(default=False, repr=False)  # its H2D stage may run (under the pipeline's lock)
 
@@ -255,7 +259,8 @@ class StepPipeline:
         with self._lock:
             self._copies_back_open = True
             for job in self._jobs.values():
-                job._back_open = True
+                if not job._back_open:
+                    _open(job)
             held, self._held = self._held, []
             for job in held:
                 self._to_h2d(job)
@@ -269,7 +274,8 @@ class StepPipeline:
         if back_now and not self._copies_back_open:
             self.early.add(job.family_id)
             self.times.back_in_backward += 1
-        job._back_open = self._copies_back_open or back_now
+        if self._copies_back_open or back_now:
+            _open(job)
         job._done = Future()
         d2h.submit(self._run_d2h, job)  # each stage hands the job to the next: one hand-off on this thread
         self._jobs[job.family_id] = job
@@ -299,7 +305,8 @@ class StepPipeline:
         if job is None:
             return
         with self._lock:  # a reader needs it now: its copy back may run
-            job._back_open = True
+            if not job._back_open:
+                _open(job)
             if job in self._held:
                 self._held.remove(job)
                 self._to_h2d(job)
@@ -451,3 +458,11 @@ class StepPipeline:
         except BaseException as error:  # noqa: BLE001 - handed to the job's future, raised by _finish
             assert job._done is not None
             job._done.set_exception(error)
+
+
+def _open(job: HostJob) -> None:
+    """``job``'s copy back may run from now on (the calling thread, under the pipeline's lock where jobs are in
+    flight)."""
+    if job.opened is not None:
+        job.opened()
+    job._back_open = True

@@ -72,6 +72,38 @@ def test_copies_back_wait_until_the_backward_is_over() -> None:
     pipeline.close()
 
 
+def test_a_copy_back_is_opened_once_on_the_calling_thread_before_it_runs() -> None:
+    """``HostJob.opened`` (CUDA: the event the copy back waits for, recorded on the compute stream) is called on the
+    calling thread, once, before the H2D stage: at submission where copies back are open or ``back_now``, else when
+    the backward ends (``open_copies_back``) or a reader needs the family (``wait``)."""
+    log, pipeline = Log(), StepPipeline()
+    me = threading.current_thread().name
+
+    def job(fid: int) -> HostJob:
+        made = log.job(fid)
+        made.opened = lambda: log.events.append((fid, "opened", threading.current_thread().name))
+        return made
+
+    pipeline.submit(job(0))  # copies back open: opened at submission
+    pipeline.hold_copies_back()
+    pipeline.submit(job(1), back_now=True)  # proved safe inside the backward: opened at submission
+    pipeline.submit(job(2))  # held: opened by the reader's wait
+    pipeline.submit(job(3))  # held: opened at the backward's end
+    pipeline.wait(0)
+    pipeline.wait(1)
+    assert "h2d" not in log.stages_of(2) and "opened" not in log.stages_of(2)
+    pipeline.wait(2)
+    assert "opened" not in log.stages_of(3)
+    pipeline.open_copies_back()
+    pipeline.drain()
+    for fid in range(4):
+        stages = log.stages_of(fid)
+        assert stages.count("opened") == 1 and stages.index("opened") < stages.index("h2d"), (fid, stages)
+    assert all(thread == me for _, name, thread in log.events if name == "opened")
+    assert [f for f, name, _ in log.events if name == "opened"][:2] == [0, 1]
+    pipeline.close()
+
+
 def test_settling_off_the_device_skips_the_copy_back() -> None:
     log, pipeline = Log(), StepPipeline()
     pipeline.hold_copies_back()
