@@ -146,6 +146,10 @@ class ChunkedOptimizer(Optimizer):
         self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         manager = self._manager
         manager.step_moment()
+        early = set(manager.grads.stepped)
+        leftover = set(manager.pipeline.family_ids) - early  # the last step's tail no module waited for
+        if leftover:  # before reading gradients: each still holds the last step's until its job ends
+            manager.pipeline.drain(only=leftover)
         families = self._families_with_grads()
         with torch.profiler.record_function("pstar::optimizer_step"):
             self.last_step = StepResult()
@@ -154,10 +158,6 @@ class ChunkedOptimizer(Optimizer):
             coef = self._clip_coefficient(families, on_host, read)
             if coef is not None and self._nonfinite(families):
                 return
-            early = set(manager.grads.stepped)
-            leftover = set(manager.pipeline.family_ids) - early  # the last step's tail no module waited for
-            if leftover:
-                manager.pipeline.drain(only=leftover)
             if coef is None:
                 assert not early, "PatrickStar internal error: a step inside the backward was skipped"
                 self.last_step = StepResult(skipped=True)
