@@ -547,9 +547,9 @@ def test_device_budget_splits_the_optimizer(threads: int) -> None:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=STALE_TAIL)
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
 def test_next_forward_tail_left_by_a_skipped_module(precision: str) -> None:
     """``"next_forward"`` with clipping by norm and a module that does not run at every step: the job its family
     left in flight at the last step is not waited for by any forward, and the next step's global norm must not see
-    that family's old gradients (bf16-mixed too: this is not the norms-inside-the-backward path)."""
+    that family's old gradients (mixed precision too: this is not the norms-inside-the-backward path)."""
     _pair(lambda: LM(SkipsABlock), "next_forward", precision=precision, gradient_clip_val=0.05)
