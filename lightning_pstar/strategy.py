@@ -158,7 +158,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            refuse_unsupported_callbacks(trainer.callbacks)
+            refuse_unsupported_callbacks(trainer.callbacks)  # type: ignore[attr-defined]
         super().setup_environment()
 
     @override
