@@ -158,7 +158,8 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            refuse_unsupported_callbacks(trainer.callbacks)  # type: ignore[attr-defined]
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            refuse_unsupported_callbacks(callbacks, precision=str(self.precision_plugin.precision))
         super().setup_environment()
 
     @override

@@ -89,6 +89,21 @@ def test_stochastic_weight_averaging_matches_plain_lightning() -> None:
     _assert_states(stored, averaged, "swa (strategy state dict)")
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed"])  # 16-mixed runs as bf16-mixed on a CPU
+def test_stochastic_weight_averaging_refused_in_mixed_precision(precision: str) -> None:
+    """The averaged weights would reach only the compute-dtype copies, not the fp32 masters (a silent loss)."""
+    module = TinyLM(optim=SGD)
+    before = _state(module)
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
+    trainer = make_trainer(
+        strategy=PatrickStarStrategy(), precision=precision, max_epochs=2, max_steps=-1, callbacks=[swa]
+    )
+    with pytest.raises(ValueError, match=rf"`StochasticWeightAveraging` .*precision='{precision}'.*HINT: .*'32-true'"):
+        trainer.fit(module, make_loader(n_seq=8))
+    assert trainer.global_step == 0
+    _assert_states(_state(module), before, "after the refusal")
+
+
 # --------------------------------------------------------------------------------------------------
 # Tuner: lr_find (matches), scale_batch_size (refused)
 # --------------------------------------------------------------------------------------------------
@@ -254,3 +269,18 @@ def test_ema_teacher_matches_plain_lightning(budget: str) -> None:
     _assert_same_run(got, ref, f"ema teacher ({budget})")
     if budget == "evicting":
         assert_evicted(strategy)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not fixed: in bf16-mixed a write to a weight outside forward (the EMA in on_train_batch_end) reaches"
+    " only the compute-dtype copy, not the fp32 master that the state dict reads; the teacher is saved unmoved",
+)
+def test_ema_teacher_reaches_the_saved_state_in_bf16_mixed() -> None:
+    ref = fit(TeacherLM(), strategy="auto", precision="bf16-mixed", max_steps=6)
+    got = fit(TeacherLM(), strategy=PatrickStarStrategy(), precision="bf16-mixed", max_steps=6)
+    name = "teacher.lm_head.weight"
+    want = ref.final[name] - ref.recorder.initial_state[name]
+    moved = got.final[name] - got.recorder.initial_state[name]
+    # bf16 rounding of the EMA allows a loose tolerance; an unmoved teacher is far outside it
+    torch.testing.assert_close(moved, want, rtol=0.1, atol=0.02)
