@@ -58,6 +58,7 @@ from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.tracer import out_of_memory_as_error
 from lightning_pstar.setup_checks import explain_optimizer_setup_error, refuse_no_trainable_parameters
+from lightning_pstar.trainer_checks import refuse_unsupported_callbacks
 
 __all__ = ["PatrickStarStrategy", "SafeCheckpointIO"]
 
@@ -151,6 +152,16 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         )
 
     # ---- distributed ----------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        # before any callback's setup hook: see [Note: callbacks refused at setup_environment]
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            refuse_unsupported_callbacks(callbacks, precision=str(self.precision_plugin.precision))
+        super().setup_environment()
+
     @override
     def setup_distributed(self) -> None:
         if self.num_nodes * self.num_processes > 1:
