@@ -58,6 +58,9 @@ class ParamRecord:
     that follows is the engine's, not a write: [Note: gradients land per family] in ``grads.py``)."""
     waiting: bool = False
     """Its final gradient waits for the rest of its family's ([Note: gradients land per family] in ``grads.py``)."""
+    known_version: int = -1
+    """Mixed precision: the parameter's version counter when the engine last knew its slot to equal its fp32
+    master in the compute dtype ([Note: writes outside a forward] in ``outside_writes.py``)."""
 
     @property
     def grad(self) -> GradLocation:
@@ -167,6 +170,7 @@ class ParamTable:
                         orig_dtype=param.dtype,
                         family=family,
                         slot=slot,
+                        known_version=param._version,
                     )
                 )
         self.records: list[ParamRecord] = sorted((r for f in self.families for r in f.records), key=lambda r: r.index)

@@ -75,6 +75,9 @@ def _weights_replaced(records: Sequence[ParamRecord]) -> None:
     for record, param in zip(records, params, strict=True):
         record.replaced_at = param._version  # a weight saved by reference still reads its master (hooks.py)
     torch.autograd.graph.increment_version(params)
+    for record, param in zip(records, params, strict=True):  # the engine's bump ([Note: writes outside a forward])
+        if record.known_version == record.replaced_at:
+            record.known_version = param._version
 
 
 class GradStore:

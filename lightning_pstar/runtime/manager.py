@@ -38,6 +38,7 @@ from lightning_pstar.runtime.family import (
 )
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
+from lightning_pstar.runtime.outside_writes import check_outside_writes, note_versions
 from lightning_pstar.runtime.pipeline import StepPipeline
 from lightning_pstar.runtime.placement import PlacementPolicy
 from lightning_pstar.runtime.reporting import build_report, module_names
@@ -149,6 +150,7 @@ class ChunkManager:
         assert not self._materialised, "materialise() runs once"
         summary, detail = self.setup_plan.agreement()  # the ranks agree on it
         self._materialiser().run(self.host_params, summary, detail)
+        note_versions(self.records)  # every slot equals its master ([Note: writes outside a forward])
         if self.disk is not None:  # the last family's master written ([Note: disk families] in runtime/disk_tier.py)
             self.disk.flush_setup()
         self._materialised = True
@@ -262,6 +264,8 @@ class ChunkManager:
         if _graph_task() >= 0:  # recomputed inside a backward (activation checkpointing)
             self.recomputes = True
             steps_in_flight.refuse_early_read(self, records)
+        if self.mixed and not self.sharding.distributed:  # [Note: writes outside a forward]
+            check_outside_writes(records, disk=self.disk, in_flight=self.pipeline.in_flight)
         self.access(records, _COMPUTE, moment, module=index)
         if self.mixed:  # an in-place write to a weight during forward must reach its fp32 master
             self._forward_versions[index] = [r.param._version for r in records]
@@ -278,6 +282,8 @@ class ChunkManager:
                     for record in sorted(written, key=lambda r: r.family.family_id):
                         need(record.family)
                         copy_forward_writes_to_masters([record], distributed=False)
+        if self.mixed:
+            note_versions(records)  # the slots equal their masters (a forward's writes reached them)
         release_slots(records, _HOLD_AFTER_FWD if backward_follows else _HOLD)  # what release() does
         if self.sharding.distributed:  # one rank releases nothing
             self.sharding.release_passed()
