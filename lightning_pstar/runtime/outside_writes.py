@@ -85,6 +85,7 @@ def _slot_differs(disk: DiskTier | None, record: ParamRecord) -> bool:
     master = family.chunks.get(ChunkKind.MASTER)
     if master is None or record.grad_in_param_slot:
         return False  # no master (the slot is the weight), or the parameter points at the master now
+    family.param_chunk.wait()  # a copy of its bytes in flight ends first
     with disk_loaded(disk, family, write=False, kinds=(ChunkKind.MASTER,)):
         slot = family.param_chunk.slot_view(record.slot)
         rounded = master.slot_view(record.slot).to(slot.device, slot.dtype)
@@ -95,5 +96,6 @@ def _slot_differs(disk: DiskTier | None, record: ParamRecord) -> bool:
 def _slot_from_master(disk: DiskTier | None, record: ParamRecord) -> None:
     family = record.family
     master = family.chunks[ChunkKind.MASTER]
+    family.param_chunk.wait()
     with torch.no_grad(), disk_loaded(disk, family, write=False, kinds=(ChunkKind.MASTER,)):
         family.param_chunk.slot_view(record.slot).copy_(master.slot_view(record.slot))
