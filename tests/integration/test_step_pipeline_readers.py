@@ -662,3 +662,41 @@ def test_write_between_steps_mixed_precision_reaches_master() -> None:
         return float(torch.linalg.vector_norm(torch.stack([v.float().norm() for v in state.values()])))
 
     assert abs(norm(serial.final) - norm(plain.final)) <= 0.1 * norm(plain.final)
+
+
+def _fabric_writes(overlap: str | None, steps: int = 4) -> tuple[list[float], int]:
+    """A Fabric loop halving every weight in place after each ``optimizer.step()``: its losses and the writes
+    refused (``overlap=None``: plain Fabric)."""
+    strategy: Any = "auto" if overlap is None else PatrickStarFabricStrategy(optimizer_overlap=overlap, **HOST)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
+    fabric.launch()
+    torch.manual_seed(SEED)
+    net = FlatGPT()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01))
+    stream = itertools.cycle(list(make_loader(n_seq=32, batch_size=4)))
+    losses, refused = [], 0
+    for _ in range(steps):
+        x, y = next(stream)
+        loss = lm_loss(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+        try:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        except ParkedParameterError:
+            refused += 1
+    return losses, refused
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Fabric, optimizer_overlap='pipeline': the stale host copy (see"
+    " test_write_between_steps_pipeline): the third loss differs from the serial step's",
+)
+def test_fabric_write_between_steps_pipeline() -> None:
+    plain, serial, piped = _fabric_writes(None), _fabric_writes("off"), _fabric_writes("pipeline")
+    assert serial == plain  # the serial step honours the writes, as plain Fabric does
+    assert piped == serial
