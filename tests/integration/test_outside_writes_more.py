@@ -1,0 +1,204 @@
+"""Hunting false alarms and misses of the mixed-precision outside-write check ([Note: writes outside a forward] in
+``runtime/outside_writes.py``): legitimate bf16-mixed / 16-mixed runs must train without ``OutsideWriteError``,
+and writes outside a forward that the fp32 masters would lose must raise."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.tuner import Tuner
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.config_sections import LossScaleConfig
+from lightning_pstar.precision import PatrickStarPrecision
+from lightning_pstar.runtime.outside_writes import OutsideWriteError
+from tests.helpers.data import make_loader
+from tests.helpers.models import TinyGPT
+from tests.helpers.runs import LM, TinyLM, fit_steps, make_trainer
+
+HOST = {"optimizer_placement": "host", "chunk_size": 4096}
+
+
+def _finite(losses: list[float]) -> bool:
+    return bool(losses) and all(math.isfinite(x) for x in losses)
+
+
+# ---- legitimate runs: no false alarm --------------------------------------------------------------------
+
+
+def test_16_mixed_overflow_skips_train_without_refusal() -> None:
+    """A huge initial loss scale: the first steps overflow and are skipped (the slots held inf gradients)."""
+    plugin = PatrickStarPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale=2.0**40))
+    run = fit_steps(TinyLM(), PatrickStarStrategy(), steps=6, plugins=[plugin])
+    assert len(run.losses) == 6
+
+
+def test_next_forward_overlap_parked_parameters_no_refusal() -> None:
+    run = fit_steps(TinyLM(), PatrickStarStrategy(optimizer_overlap="next_forward", **HOST), precision="bf16-mixed")
+    assert _finite(run.losses)
+
+
+def test_evicting_budget_with_accumulation_and_clipping_no_refusal() -> None:
+    strategy = PatrickStarStrategy(chunk_size=4096, placement="static", device_memory_limit=3 * 4096 * 2)
+    run = fit_steps(TinyLM(), strategy, precision="bf16-mixed", steps=4, accumulate_grad_batches=2,
+                    gradient_clip_val=0.5)  # fmt: skip
+    assert _finite(run.losses)
+
+
+def test_disk_tier_no_refusal(tmp_path: Path) -> None:
+    strategy = PatrickStarStrategy(chunk_size=4096, host_memory_limit="640KiB", disk_path=str(tmp_path / "d"))
+    run = fit_steps(TinyLM(), strategy, precision="bf16-mixed", steps=3)
+    assert _finite(run.losses)
+
+
+class _FreezeAt(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2:
+            pl_module.model.blocks[0].requires_grad_(False)  # type: ignore[union-attr]
+
+
+def test_freezing_mid_run_and_validation_no_refusal() -> None:
+    run = fit_steps(TinyLM(), PatrickStarStrategy(), precision="bf16-mixed", steps=4, callbacks=[_FreezeAt()],
+                    val_check_interval=2, limit_val_batches=2)  # fmt: skip
+    assert _finite(run.losses)
+    run.trainer.predict(run.module, dataloaders=run.trainer.train_dataloader)
+
+
+class _MaxNormGPT(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe = nn.Embedding(self.wpe.num_embeddings, self.wpe.embedding_dim, max_norm=0.5)
+
+
+class _CheckpointedGPT(TinyGPT):
+    def __init__(self, *, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.lm_head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("build", ["max_norm", "ckpt", "ckpt_reentrant"])
+def test_forward_writes_and_recomputes_no_refusal(build: str) -> None:
+    nets = {"max_norm": _MaxNormGPT, "ckpt": lambda: _CheckpointedGPT(reentrant=False),
+            "ckpt_reentrant": lambda: _CheckpointedGPT(reentrant=True)}  # fmt: skip
+    run = fit_steps(LM(nets[build]), PatrickStarStrategy(), precision="bf16-mixed", steps=4)
+    assert _finite(run.losses)
+
+
+def test_resume_from_checkpoint_no_refusal(tmp_path: Path) -> None:
+    first = fit_steps(TinyLM(), PatrickStarStrategy(), precision="bf16-mixed", steps=2)
+    path = str(tmp_path / "c.ckpt")
+    first.trainer.save_checkpoint(path)
+    run = fit_steps(TinyLM(), PatrickStarStrategy(), precision="bf16-mixed", steps=4, ckpt_path=path)
+    assert _finite(run.losses)
+
+
+class _Manual(L.LightningModule):
+    """Manual optimization: two optimizers over disjoint halves (a GAN's shape), a step skipped now and then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = TinyGPT()
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt_a, opt_b = self.optimizers()  # type: ignore[misc]
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_a.zero_grad()
+        if batch_idx % 2 == 0:
+            opt_b.step()
+        opt_b.zero_grad()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        blocks = list(self.net.blocks.parameters())
+        rest = [p for p in self.net.parameters() if p.requires_grad and all(p is not b for b in blocks)]
+        return torch.optim.AdamW(blocks, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)
+
+
+def test_manual_two_optimizers_no_refusal() -> None:
+    fit_steps(_Manual(), PatrickStarStrategy(), precision="bf16-mixed", steps=4)
+
+
+# ---- misses: writes the masters lose must raise ------------------------------------------------------------
+
+
+class _Writes(L.Callback):
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+
+    def _write(self, pl_module: L.LightningModule) -> None:
+        with torch.no_grad():
+            pl_module.model.lm_head.weight.mul_(0.5)  # type: ignore[union-attr]
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.hook == "before_step":
+            self._write(pl_module)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.hook == "val_end":
+            self._write(pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.hook == "foreach" and trainer.global_step == 1:
+            with torch.no_grad():
+                torch._foreach_mul_([p for p in pl_module.parameters() if p.requires_grad], 0.5)
+
+
+def test_write_at_validation_epoch_end_raises() -> None:
+    """``trainer.validate`` after ``fit`` with a callback writing at ``on_validation_epoch_end``: the next read of
+    the fp32 weights (the hand-back at the end of ``validate``) refuses it."""
+    run = fit_steps(TinyLM(), PatrickStarStrategy(), precision="bf16-mixed", steps=2)
+    run.trainer.callbacks.append(_Writes("val_end"))
+    with pytest.raises(OutsideWriteError, match="lm_head.weight"):
+        run.trainer.validate(run.module, dataloaders=make_loader(n_seq=4), verbose=False)
+
+
+class _WritesAfterStep(TinyLM):
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        with torch.no_grad():
+            self.model.lm_head.weight.mul_(0.5)  # type: ignore[union-attr]
+
+
+def test_optimizer_step_override_writing_weights_raises() -> None:
+    with pytest.raises(OutsideWriteError, match="lm_head.weight"):
+        fit_steps(_WritesAfterStep(), PatrickStarStrategy(), precision="bf16-mixed", steps=3)
+
+
+def test_lr_find_in_bf16_no_refusal() -> None:
+    trainer = make_trainer(strategy=PatrickStarStrategy(), precision="bf16-mixed", max_steps=20)
+    Tuner(trainer).lr_find(TinyLM(), train_dataloaders=make_loader(n_seq=40), num_training=5, update_attr=False)
+
+
+def test_foreach_write_raises() -> None:
+    with pytest.raises(OutsideWriteError):
+        fit_steps(TinyLM(), PatrickStarStrategy(), precision="bf16-mixed", steps=3, callbacks=[_Writes("foreach")])
+
+
+def test_write_before_step_with_accumulation_is_kept_like_plain_lightning() -> None:
+    """With accumulation the gradient lives in its own chunk; a write in ``on_before_optimizer_step`` is still
+    kept (the step starts from it), as in plain Lightning: no refusal, same weights within bf16 tolerance."""
+    kwargs: dict[str, Any] = {"precision": "bf16-mixed", "steps": 3, "accumulate_grad_batches": 2}
+    got = fit_steps(TinyLM(), PatrickStarStrategy(), callbacks=[_Writes("before_step")], **kwargs)
+    want = fit_steps(TinyLM(), "auto", callbacks=[_Writes("before_step")], **kwargs)
+    key = "model.lm_head.weight"
+    torch.testing.assert_close(got.final[key].norm(), want.final[key].norm(), rtol=1e-2, atol=0)
