@@ -11,16 +11,17 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_pstar import PatrickStarStrategy
+from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
 from lightning_pstar.config_sections import LossScaleConfig
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.runtime.outside_writes import OutsideWriteError
 from tests.helpers.data import make_loader
-from tests.helpers.models import TinyGPT
+from tests.helpers.models import VOCAB, FlatGPT, TinyGPT, lm_loss
 from tests.helpers.runs import LM, TinyLM, fit_steps, make_trainer
 
 HOST = {"optimizer_placement": "host", "chunk_size": 4096}
@@ -153,6 +154,10 @@ class _Writes(L.Callback):
         if self.hook == "before_step":
             self._write(pl_module)
 
+        if self.hook == "frozen_before_step":
+            with torch.no_grad():
+                pl_module.model.frozen.weight.mul_(0.5)  # type: ignore[union-attr]
+
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.hook == "val_end":
             self._write(pl_module)
@@ -189,6 +194,20 @@ def test_lr_find_in_bf16_no_refusal() -> None:
     Tuner(trainer).lr_find(TinyLM(), train_dataloaders=make_loader(n_seq=40), num_training=5, update_attr=False)
 
 
+def test_write_to_a_frozen_weight_before_the_step_raises() -> None:
+    """A frozen weight's slot never holds a gradient: a write in ``on_before_optimizer_step`` reaches only it."""
+    with pytest.raises(OutsideWriteError, match="frozen.weight"):
+        fit_steps(TinyLM(), PatrickStarStrategy(frozen_master=True), precision="bf16-mixed", steps=3,
+                  callbacks=[_Writes("frozen_before_step")])  # fmt: skip
+
+
+def test_16_mixed_overflow_with_next_forward_and_accumulation_no_refusal() -> None:
+    plugin = PatrickStarPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale=2.0**40))
+    strategy = PatrickStarStrategy(optimizer_overlap="next_forward", **HOST)
+    run = fit_steps(TinyLM(), strategy, steps=5, plugins=[plugin], accumulate_grad_batches=2)
+    assert _finite(run.losses)
+
+
 def test_foreach_write_raises() -> None:
     with pytest.raises(OutsideWriteError):
         fit_steps(TinyLM(), PatrickStarStrategy(), precision="bf16-mixed", steps=3, callbacks=[_Writes("foreach")])
@@ -202,3 +221,71 @@ def test_write_before_step_with_accumulation_is_kept_like_plain_lightning() -> N
     want = fit_steps(TinyLM(), "auto", callbacks=[_Writes("before_step")], **kwargs)
     key = "model.lm_head.weight"
     torch.testing.assert_close(got.final[key].norm(), want.final[key].norm(), rtol=1e-2, atol=0)
+
+
+# ---- Hugging Face, torch.compile, weight_norm, Fabric ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "checkpointing"), [("gpt2", {"use_reentrant": False}), ("t5", None)])
+def test_hf_models_in_bf16_no_refusal(kind: str, checkpointing: dict[str, Any] | None) -> None:
+    from tests.integration.test_transformers import HFLM
+    from tests.integration.test_transformers import fit as hf_fit
+
+    recorder = hf_fit(HFLM(kind, checkpointing), PatrickStarStrategy(), precision="bf16-mixed", steps=4)
+    assert _finite(recorder.losses)
+
+
+class _WeightNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.hidden = nn.utils.parametrizations.weight_norm(nn.Linear(32, 32))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(self.emb(idx))))
+
+
+def _compiled_gpt() -> nn.Module:
+    net = TinyGPT()
+    for block in net.blocks:
+        block.compile()
+    return net
+
+
+@pytest.mark.parametrize("build", ["weight_norm", pytest.param("compile", marks=pytest.mark.slow)])
+def test_parametrized_and_compiled_modules_no_refusal(build: str) -> None:
+    nets = {"weight_norm": _WeightNormNet, "compile": _compiled_gpt}
+    run = fit_steps(LM(nets[build]), PatrickStarStrategy(), precision="bf16-mixed", steps=3)
+    assert _finite(run.losses)
+
+
+def _fabric_loop(write_between: bool) -> list[float]:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=PatrickStarFabricStrategy(), precision="bf16-mixed")
+    return fabric.launch(_fabric_body, write_between)  # type: ignore[no-any-return]
+
+
+def _fabric_body(fabric: Fabric, write_between: bool) -> list[float]:
+    torch.manual_seed(0)
+    net = FlatGPT()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    losses = []
+    for x, y in list(make_loader(n_seq=12))[:3]:
+        loss = lm_loss(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+        if write_between:  # user code between steps: lost in the masters, so refused at the next forward
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.ndim == 2).mul_(0.5)
+    return losses
+
+
+def test_fabric_loop_no_refusal() -> None:
+    assert _finite(_fabric_loop(write_between=False))
+
+
+def test_fabric_write_between_steps_raises() -> None:
+    with pytest.raises(OutsideWriteError):
+        _fabric_loop(write_between=True)
