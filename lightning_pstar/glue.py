@@ -204,6 +204,12 @@ def _hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Sequ
     finally:
         manager.pipeline.close()  # its worker threads end with the run
     report = manager.memory_report()
+    if manager.torn:
+        log.warning(
+            "PatrickStar: a backward raised after %d families had stepped inside it: the model handed back holds a"
+            " mix of two steps' weights. HINT: resume from a checkpoint saved before the failure.",
+            len(manager.torn),
+        )
     if failed and manager.world_size > 1:
         return EndOfRun(report=report, reports=None, optimizers=list(optimizers))
     reports = manager.comm.all_gather_object(report)

@@ -326,8 +326,12 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._manager is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        with self._manager.grads.landing_on_error():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            with self._manager.grads.landing_on_error():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException:
+            self._manager.torn = sorted(self._manager.grads.stepped)  # stepped inside it: no roll-back possible
+            raise
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:

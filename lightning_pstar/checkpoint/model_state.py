@@ -107,12 +107,26 @@ def _all_values(manager: ChunkManager, *, rank0_only: bool = False, to_cpu: bool
 
 
 # ---- consolidated state dicts -------------------------------------------------------------------------------
+def _refuse_torn(manager: ChunkManager) -> None:
+    """Raise if a backward raised after some families had stepped inside it ([Note: stepping inside the backward]
+    in optim/overlap.py): the weights and optimizer states are a mix of two steps, and a saved copy would be too."""
+    if manager.torn:
+        names = [manager.families[f].records[0].names[0] for f in manager.torn[:3]]
+        raise RuntimeError(
+            f"PatrickStar cannot save the weights: a backward raised after {len(manager.torn)} families (parameters"
+            f" such as {names}) had already stepped inside it (optimizer_overlap), so the weights and optimizer"
+            " states are a mix of two steps. HINT: resume from a checkpoint saved before the failure; set"
+            " optimizer_overlap='off' to keep a consistent state when a backward may raise."
+        )
+
+
 def full_state_dict(manager: ChunkManager, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The model's ``state_dict`` with fp32 CPU copies of every parameter under each of its names.
 
     With ``rank0_only`` (what checkpoints use) the weights stream family by family to rank 0 and the
     other ranks return an empty dict.
     """
+    _refuse_torn(manager)
     manager.finish_steps()  # a step in flight ends first ([Note: the step pipeline] in runtime/pipeline.py)
     with torch.no_grad():
         by_index = _all_values(manager, rank0_only=rank0_only, to_cpu=True)

@@ -125,6 +125,7 @@ class ChunkManager:
         self.pipeline = StepPipeline()
         self.tailing = False  # an optimizer.step() returned with steps in flight (optimizer_overlap="next_forward")
         self.recomputes = False  # a module's forward ran inside a backward ([Note: copies back inside the backward])
+        self.torn: list[int] = []  # families a backward that raised had stepped inside it (a mix of two steps)
         # mixed_precision.nonfinite: a backward since the last step ran from a non-finite loss; steps not applied
         self.nonfinite_loss = False
         self.nonfinite_skipped_steps = 0

@@ -65,12 +65,14 @@ def check_outside_writes(
     names = ", ".join(_named(r) for r in lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
     raise OutsideWriteError(
         f"PatrickStar: parameter(s) {names} were written in place outside a module's forward (for example an EMA"
-        " update in `on_train_batch_end`, a `torch.no_grad()` copy into a weight, or `load_state_dict` on the"
-        " module after setup). In mixed precision a parameter is a rounded compute-dtype copy of its fp32 master,"
-        " which the optimizer steps and checkpoints save; such a write reaches only the copy and would be lost or"
-        " rounded. It was undone: the weights are those before it. HINT: train in precision='32-true' (the"
+        " update in `on_train_batch_end`, a `torch.no_grad()` copy into a weight, `load_state_dict` on the module"
+        " after setup, or a parent module's forward writing a child's weight). In mixed precision a parameter is a"
+        " rounded compute-dtype copy of its fp32 master, which the optimizer steps and checkpoints save; such a"
+        " write reaches only the copy and would be lost or rounded. It was undone: the weights are those before"
+        " it. HINT: train in precision='32-true' (the"
         " parameter is its fp32 weight there), keep such weights out of the LightningModule's parameters (e.g. an"
-        " EMA model held outside it), or load weights before `fit` or through `ckpt_path`."
+        " EMA model held outside it), load weights before `fit` or through `ckpt_path`, and write a weight only"
+        " in the forward of the module that owns it."
     )
 
 

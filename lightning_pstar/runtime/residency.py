@@ -260,6 +260,8 @@ class Residency:
         """The host buffer a host-side step of ``family`` copies its param chunk into (within the host budget),
         and whether it already holds the device bytes. The family is ``stepping`` until :meth:`unstage`."""
         chunk = family.param_chunk
+        if chunk.has_host_copy and chunk.tier is Tier.DEVICE and self._params_written(family):
+            chunk.drop_host_copy()  # a weight was written in place since the last step: the host copy is stale
         if not chunk.has_host_copy:
             self.check_host_room(chunk.nbytes, spare=chunk)
         staged = chunk.stage_host_copy()
