@@ -7,7 +7,7 @@ Used by the step pipeline (``optimizer_overlap="next_forward"``) and the disk ti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -60,20 +60,30 @@ def _parked_class(cls: type) -> type:
             if func in _METADATA:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
-            name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
-            raise ParkedParameterError(
-                f"PatrickStar: a parameter was read ({name}) while its weight is not in memory: its optimizer step"
-                " was still running after optimizer.step() returned (optimizer_overlap='next_forward'), outside its"
-                " own module's forward, which is where the engine waits for it; or its gradient holds its slot and"
-                " its fp32 master is on the disk tier until the step (memory.disk_path). HINT: read weights inside"
-                " their module's forward or after the optimizer step, or set optimizer_overlap='auto' (the step then"
-                " ends before optimizer.step() returns)."
-            )
+            _refuse(getattr(func, "__qualname__", getattr(func, "__name__", repr(func))))
 
-        parked = type(f"Parked{cls.__name__}", (cls,), {"__torch_function__": classmethod(__torch_function__)})
+        def as_subclass(self: torch.Tensor, cls: type) -> Any:  # torch does not route it through the above
+            _refuse("Tensor.as_subclass")
+
+        parked = type(
+            f"Parked{cls.__name__}",
+            (cls,),
+            {"__torch_function__": classmethod(__torch_function__), "as_subclass": as_subclass},
+        )
         _PARKED[cls] = parked
         _PARKED_CLASSES.add(parked)
     return parked
+
+
+def _refuse(name: str) -> NoReturn:
+    raise ParkedParameterError(
+        f"PatrickStar: a parameter was read ({name}) while its weight is not in memory: its optimizer step"
+        " was still running after optimizer.step() returned (optimizer_overlap='next_forward'), outside its"
+        " own module's forward, which is where the engine waits for it; or its gradient holds its slot and"
+        " its fp32 master is on the disk tier until the step (memory.disk_path). HINT: read weights inside"
+        " their module's forward or after the optimizer step, or set optimizer_overlap='auto' (the step then"
+        " ends before optimizer.step() returns)."
+    )
 
 
 def park(params: Sequence[torch.Tensor]) -> None:
