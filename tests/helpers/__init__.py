@@ -20,10 +20,12 @@ from tests.helpers.asserts import (
     LOSS_RTOL,
     assert_evicted,
     assert_losses_close,
+    assert_runs_bitwise,
     assert_same_run,
     assert_states_close,
     assert_states_equal,
     max_rel_diff,
+    optimizer_state,
 )
 from tests.helpers.data import DATA_SEED, make_dataset, make_loader
 from tests.helpers.models import (
@@ -81,6 +83,7 @@ __all__ = [
     "TinyLM",
     "assert_evicted",
     "assert_losses_close",
+    "assert_runs_bitwise",
     "assert_same_run",
     "assert_states_close",
     "assert_states_equal",
@@ -94,6 +97,7 @@ __all__ = [
     "make_scheduler",
     "make_trainer",
     "max_rel_diff",
+    "optimizer_state",
     "quiet_trainer_options",
     "reference_mixed_precision",
     "tight",

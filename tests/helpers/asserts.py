@@ -56,6 +56,19 @@ def assert_states_equal(got: Mapping[str, torch.Tensor], want: Mapping[str, torc
         assert torch.equal(got[name], value), f"{what}: {name} differs by {(got[name] - value).abs().max():.3e}"
 
 
+def optimizer_state(result: FitResult) -> dict[str, torch.Tensor]:
+    """The user's optimizer state after training (after the hand-back), flat: ``<index>/<field>`` -> tensor."""
+    state = result.trainer.optimizers[0].state_dict()["state"]
+    return {f"{i}/{k}": v for i, entry in state.items() for k, v in entry.items()}
+
+
+def assert_runs_bitwise(got: FitResult, want: FitResult, what: str) -> None:
+    """The same losses, final weights and optimizer states, bit for bit (one schedule against another)."""
+    assert got.losses == want.losses, f"{what}: losses differ"
+    assert_states_equal(got.final, want.final, what=f"{what}: weights")
+    assert_states_equal(optimizer_state(got), optimizer_state(want), what=f"{what}: optimizer states")
+
+
 def assert_same_run(got: FitResult, ref: FitResult, *, what: str, rtol: float = LOSS_RTOL) -> None:
     """Every loss within ``rtol`` of the reference, and the final weights (and buffers) close to it."""
     assert_losses_close(got.losses, ref.losses, rtol=rtol, what=what)

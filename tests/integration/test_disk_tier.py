@@ -25,7 +25,7 @@ from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.disk import DiskIOError
 from lightning_pstar.runtime.state import Tier
-from tests.helpers import TinyLM, assert_states_equal
+from tests.helpers import TinyLM, assert_runs_bitwise, assert_states_equal, optimizer_state
 from tests.helpers.data import make_loader
 from tests.helpers.fabric_loop import LoopSpec, train
 from tests.helpers.models import SEED
@@ -65,18 +65,6 @@ def _fit(disk: Path | None, host: str, precision: str, optim: OptimSpec | None =
     return fit_steps(TinyLM(optim=optim), _strategy(disk, host, **options), precision=precision, steps=STEPS, **kw)
 
 
-def _optimizer_state(result: FitResult) -> dict[str, torch.Tensor]:
-    """The user's optimizer state after the hand-back, flat: ``<index>/<field>`` -> tensor."""
-    state = result.trainer.optimizers[0].state_dict()["state"]
-    return {f"{i}/{k}": v for i, entry in state.items() for k, v in entry.items()}
-
-
-def _assert_bitwise(got: FitResult, want: FitResult, what: str) -> None:
-    assert got.losses == want.losses, f"{what}: losses differ"
-    assert_states_equal(got.final, want.final, what=f"{what}: weights")
-    assert_states_equal(_optimizer_state(got), _optimizer_state(want), what=f"{what}: optimizer state")
-
-
 @pytest.mark.parametrize(
     ("precision", "trainer_kwargs"),
     [
@@ -101,7 +89,7 @@ def test_trainer_bitwise_with_disk_tier(tmp_path: Path, precision: str, trainer_
         assert report.disk_written_bytes_per_iteration == report.disk_chunk_bytes
     assert report.disk_read_gbps > 0 and report.disk_write_gbps > 0
     assert "chunks on disk" in str(report)
-    _assert_bitwise(got, want, f"{precision} {trainer_kwargs}")
+    assert_runs_bitwise(got, want, f"{precision} {trainer_kwargs}")
     assert os.listdir(tmp_path) == [], "the run directory is removed at the end of the run"
 
 
@@ -112,7 +100,7 @@ def test_16_mixed_bitwise_with_disk_tier(tmp_path: Path) -> None:
     got = _fit(tmp_path, TIGHT, "16-mixed", callbacks=[peek], plugins=[PatrickStarPrecision("16-mixed")])
     want = _fit(None, ROOMY, "16-mixed", plugins=[PatrickStarPrecision("16-mixed")])
     assert 0 < peek.on_disk < peek.families
-    _assert_bitwise(got, want, "16-mixed")
+    assert_runs_bitwise(got, want, "16-mixed")
     assert os.listdir(tmp_path) == []
 
 
@@ -124,7 +112,7 @@ def test_pipelined_disk_step_bitwise_serial(tmp_path: Path, precision: str, over
     got = _fit(tmp_path, TIGHT, precision, callbacks=[peek], options={"optimizer_overlap": overlap})
     want = _fit(tmp_path, TIGHT, precision, options={"optimizer_overlap": "off"})
     assert peek.on_disk > 3 and peek.jobs > 0, "more disk families than buffer sets, stepped by the pipeline"
-    _assert_bitwise(got, want, f"pipelined {precision} {overlap}")
+    assert_runs_bitwise(got, want, f"pipelined {precision} {overlap}")
     assert os.listdir(tmp_path) == []
 
 
@@ -133,7 +121,7 @@ def test_sgd_momentum_bitwise_with_disk_tier(tmp_path: Path) -> None:
     sgd = OptimSpec(name="sgd", lr=0.05, momentum=0.9)
     got = _fit(tmp_path, TIGHT, "bf16-mixed", optim=sgd)
     want = _fit(None, ROOMY, "bf16-mixed", optim=sgd)
-    _assert_bitwise(got, want, "sgd momentum")
+    assert_runs_bitwise(got, want, "sgd momentum")
 
 
 @pytest.mark.parametrize(("precision", "clip", "accumulate"), [("32-true", None, 2), ("bf16-mixed", 0.5, 1)])
@@ -238,7 +226,7 @@ def test_checkpoint_and_resume_across_disk_tier(fmt: str, tmp_path: Path) -> Non
     with_disk = _checkpointed(disk, TIGHT, fmt, tmp_path / "a", peek=peek)
     assert 0 < peek.on_disk < peek.families
     without = _checkpointed(None, ROOMY, fmt, tmp_path / "b")
-    _assert_bitwise(with_disk, without, "uninterrupted")
+    assert_runs_bitwise(with_disk, without, "uninterrupted")
     for name in ("epoch=0.ckpt", "epoch=1.ckpt"):
         got, want = _saved(tmp_path / "a" / name, tmp_path), _saved(tmp_path / "b" / name, tmp_path)
         assert_states_equal(got["state_dict"], want["state_dict"], what=f"{name} weights")
@@ -265,7 +253,7 @@ def test_checkpoint_and_resume_across_disk_tier(fmt: str, tmp_path: Path) -> Non
     for resumed, what in resumed_runs:
         assert resumed.losses == without.losses[2:], what
         assert_states_equal(resumed.final, without.final, what=f"{what}: weights")
-        assert_states_equal(_optimizer_state(resumed), _optimizer_state(without), what=f"{what}: optimizer state")
+        assert_states_equal(optimizer_state(resumed), optimizer_state(without), what=f"{what}: optimizer state")
     assert os.listdir(disk) == []
 
 
@@ -309,4 +297,4 @@ def test_forward_writes_reach_a_master_on_disk(tmp_path: Path) -> None:
     )
     want = fit_steps(renorm_lm(), _strategy(None, ROOMY), precision="bf16-mixed", steps=STEPS)
     assert peek.on_disk == peek.families
-    _assert_bitwise(got, want, "forward writes")
+    assert_runs_bitwise(got, want, "forward writes")

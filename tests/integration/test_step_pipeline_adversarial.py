@@ -28,7 +28,7 @@ from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.config import LossScaleConfig
 from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
-from tests.helpers import assert_states_close, assert_states_equal
+from tests.helpers import assert_runs_bitwise, assert_states_close, assert_states_equal, optimizer_state
 from tests.helpers.data import make_loader
 from tests.helpers.models import TinyGPT
 from tests.helpers.runs import LM, FitResult, fit, make_trainer
@@ -65,18 +65,6 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _optimizer_state(result: FitResult) -> dict[str, torch.Tensor]:
-    """The user's optimizer state after training, flat: ``<index>/<field>`` -> tensor."""
-    state = result.trainer.optimizers[0].state_dict()["state"]
-    return {f"{i}/{k}": v for i, entry in state.items() for k, v in entry.items()}
-
-
-def _assert_bitwise(got: FitResult, want: FitResult, what: str) -> None:
-    assert got.losses == want.losses, f"{what}: losses differ"
-    assert_states_equal(got.final, want.final, what=f"{what}: weights")
-    assert_states_equal(_optimizer_state(got), _optimizer_state(want), what=f"{what}: optimizer states")
 
 
 def _run(
@@ -118,7 +106,7 @@ def _pair(
     with intra_op_threads(threads):
         serial, _ = _run(make, "off", **kwargs)
         piped, peek = _run(make, mode, **kwargs)
-    _assert_bitwise(piped, serial, f"optimizer_overlap={mode!r} against 'off'")
+    assert_runs_bitwise(piped, serial, f"optimizer_overlap={mode!r} against 'off'")
     assert peek.report is not None
     return serial, piped, peek.report, peek.families
 
@@ -206,10 +194,10 @@ def test_resume_mid_run_from_every_step_checkpoint(tmp_path: Path) -> None:
         resumed, peek = _run(_gpt, overlap, steps=steps, loader=loader, gradient_clip_val=0.05, ckpt_path=str(middle))
         assert resumed.losses == whole.losses[4:], f"{overlap}: resumed losses"
         assert_states_equal(resumed.final, whole.final, what=f"{overlap}: resumed weights")
-        assert_states_equal(_optimizer_state(resumed), _optimizer_state(whole), what=f"{overlap}: resumed states")
+        assert_states_equal(optimizer_state(resumed), optimizer_state(whole), what=f"{overlap}: resumed states")
         if overlap == "pipeline":
             assert peek.report is not None and peek.report.host_norms_in_backward > 0
-    _assert_bitwise(finals["pipeline"], finals["off"], "checkpointed pipeline against off")
+    assert_runs_bitwise(finals["pipeline"], finals["off"], "checkpointed pipeline against off")
     for name in sorted(p.name for p in (tmp_path / "off").glob("*.ckpt")):
         a = torch.load(tmp_path / "off" / name, weights_only=True)
         b = torch.load(tmp_path / "pipeline" / name, weights_only=True)

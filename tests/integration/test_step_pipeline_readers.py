@@ -28,7 +28,7 @@ from torch import nn
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
 from lightning_pstar.runtime.outside_writes import OutsideWriteError
 from lightning_pstar.runtime.parked import ParkedParameterError, park, unpark
-from tests.helpers import assert_states_close, assert_states_equal
+from tests.helpers import assert_runs_bitwise, assert_states_close, assert_states_equal, optimizer_state
 from tests.helpers.data import make_loader
 from tests.helpers.models import SEED, FlatGPT, TinyGPT, lm_loss
 from tests.helpers.runs import LM, LossRecorder, make_trainer
@@ -36,9 +36,7 @@ from tests.integration.test_step_pipeline_adversarial import (
     HOST,
     RTOL,
     WEIGHT_ATOL,
-    _assert_bitwise,
     _gpt,
-    _optimizer_state,
     _run,
 )
 
@@ -121,7 +119,7 @@ def test_batch_end_reads(mode: str, precision: str) -> None:
     serial_reader, piped_reader = BatchEndReader(READS), BatchEndReader(READS)
     serial, _ = _run(_gpt, "off", callbacks=[serial_reader], precision=precision)
     piped, _ = _run(_gpt, mode, callbacks=[piped_reader], precision=precision)
-    _assert_bitwise(piped, serial, f"{mode} with batch-end reads")
+    assert_runs_bitwise(piped, serial, f"{mode} with batch-end reads")
     _assert_reads(piped_reader, serial_reader, may_refuse=mode == "next_forward")
     if mode == "next_forward":  # the tail is in flight at every batch end: every read of a weight is refused
         assert all(piped_reader.errors[name] for name in READS)
@@ -134,7 +132,7 @@ def test_batch_end_reads_after_state_dict(mode: str) -> None:
     serial_reader, piped_reader = BatchEndReader(READS, settle_first=True), BatchEndReader(READS, settle_first=True)
     serial, _ = _run(_gpt, "off", callbacks=[serial_reader])
     piped, _ = _run(_gpt, mode, callbacks=[piped_reader])
-    _assert_bitwise(piped, serial, f"{mode} with reads after the state dict")
+    assert_runs_bitwise(piped, serial, f"{mode} with reads after the state dict")
     _assert_reads(piped_reader, serial_reader, may_refuse=False)
 
 
@@ -178,7 +176,7 @@ class NormLogger(L.LightningModule):
 def test_module_batch_end_logs_norm_and_ema(mode: str) -> None:
     serial, _ = _run(NormLogger, "off")
     piped, _ = _run(NormLogger, mode)
-    _assert_bitwise(piped, serial, f"{mode} with a batch-end norm and EMA")
+    assert_runs_bitwise(piped, serial, f"{mode} with a batch-end norm and EMA")
     want, got = serial.module, piped.module
     assert isinstance(want, NormLogger) and isinstance(got, NormLogger)
     assert want.refused == 0 and len(want.norms) == 5
@@ -235,7 +233,7 @@ def test_save_checkpoint_every_batch_end(mode: str, precision: str, tmp_path: Pa
         runs[overlap], _ = _run(
             _gpt, overlap, callbacks=[SaveEveryStep(directory), last], enable_checkpointing=True, precision=precision
         )
-    _assert_bitwise(runs[mode], runs["off"], f"{mode} with a checkpoint every step")
+    assert_runs_bitwise(runs[mode], runs["off"], f"{mode} with a checkpoint every step")
     for sub in ("user", "last"):
         _assert_same_checkpoints(tmp_path / mode / sub, tmp_path / "off" / sub)
 
@@ -443,11 +441,11 @@ def test_parked_parameter_refuses_subclass_views(how: str) -> None:
         unpark(layer.weight)
 
 
-def test_optimizer_state_matches_after_next_forward_tail() -> None:
+def testoptimizer_state_matches_after_next_forward_tail() -> None:
     """The user's optimizer ``state_dict()`` right after the last step (the tail in flight) is the serial one."""
     serial, _ = _run(_gpt, "off")
     piped, _ = _run(_gpt, "next_forward")
-    assert_states_equal(_optimizer_state(piped), _optimizer_state(serial), what="optimizer states")
+    assert_states_equal(optimizer_state(piped), optimizer_state(serial), what="optimizer states")
 
 
 # ---- a backward that raises after some families stepped inside it -----------------------------------------------
@@ -528,7 +526,7 @@ def test_batch_end_reads_with_accumulation(mode: str) -> None:
     serial_reader, piped_reader = BatchEndReader(READS), BatchEndReader(READS)
     serial, _ = _run(_gpt, "off", callbacks=[serial_reader], **kwargs)
     piped, _ = _run(_gpt, mode, callbacks=[piped_reader], **kwargs)
-    _assert_bitwise(piped, serial, f"{mode} with accumulation and batch-end reads")
+    assert_runs_bitwise(piped, serial, f"{mode} with accumulation and batch-end reads")
     for name in READS:
         assert not serial_reader.errors[name] and len(serial_reader.values[name]) == 10
         values = iter(piped_reader.values[name])
@@ -559,7 +557,7 @@ class NoGradPeek(LM):
 def test_no_grad_forward_inside_training_step(mode: str, precision: str) -> None:
     serial, _ = _run(NoGradPeek, "off", precision=precision)
     piped, _ = _run(NoGradPeek, mode, precision=precision)
-    _assert_bitwise(piped, serial, f"{mode} with a no-grad forward in the training step")
+    assert_runs_bitwise(piped, serial, f"{mode} with a no-grad forward in the training step")
     want, got = serial.module, piped.module
     assert isinstance(want, NoGradPeek) and isinstance(got, NoGradPeek) and len(want.peeks) == 5
     for step, (a, b) in enumerate(zip(got.peeks, want.peeks, strict=True)):
@@ -600,7 +598,7 @@ def test_write_between_steps_serial_is_plain_lightning() -> None:
 def test_write_between_steps_pipeline() -> None:
     serial, _ = _run(_gpt, "off", callbacks=[ShrinkAtBatchEnd()])
     piped, _ = _run(_gpt, "pipeline", callbacks=[ShrinkAtBatchEnd()])
-    _assert_bitwise(piped, serial, "pipeline with weights written between steps")
+    assert_runs_bitwise(piped, serial, "pipeline with weights written between steps")
 
 
 class HalveViaLoad(L.Callback):
@@ -620,7 +618,7 @@ def test_load_state_dict_between_steps(mode: str) -> None:
     plain, _ = _run(_gpt, None, callbacks=[HalveViaLoad()])
     assert_states_close(serial.final, plain.final, what="serial step against plain Lightning", atol=WEIGHT_ATOL)
     piped, _ = _run(_gpt, mode, callbacks=[HalveViaLoad()])
-    _assert_bitwise(piped, serial, f"{mode} with load_state_dict between steps")
+    assert_runs_bitwise(piped, serial, f"{mode} with load_state_dict between steps")
 
 
 def test_write_between_steps_next_forward_is_refused_whole() -> None:
@@ -630,7 +628,7 @@ def test_write_between_steps_next_forward_is_refused_whole() -> None:
     piped, _ = _run(_gpt, "next_forward", callbacks=[shrink])
     untouched, _ = _run(_gpt, "off")
     assert len(shrink.refused) == 5 and all("HINT:" in str(e) for e in shrink.refused)
-    _assert_bitwise(piped, untouched, "next_forward with refused writes against 'off' without them")
+    assert_runs_bitwise(piped, untouched, "next_forward with refused writes against 'off' without them")
 
 
 def test_write_between_steps_mixed_precision_is_refused() -> None:
