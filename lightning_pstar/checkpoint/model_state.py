@@ -211,6 +211,7 @@ def _local_values(manager: ChunkManager, family: ChunkFamily) -> torch.Tensor:
 
 def owned_tensors(manager: ChunkManager) -> dict[str, torch.Tensor]:
     """``model/<name>`` -> fp32 CPU value of every parameter this rank owns (a sharded save)."""
+    _refuse_torn(manager)
     manager.finish_steps()  # a step in flight ends first ([Note: the step pipeline] in runtime/pipeline.py)
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():

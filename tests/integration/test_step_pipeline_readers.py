@@ -441,7 +441,7 @@ def test_parked_parameter_refuses_subclass_views(how: str) -> None:
         unpark(layer.weight)
 
 
-def testoptimizer_state_matches_after_next_forward_tail() -> None:
+def test_optimizer_state_matches_after_next_forward_tail() -> None:
     """The user's optimizer ``state_dict()`` right after the last step (the tail in flight) is the serial one."""
     serial, _ = _run(_gpt, "off")
     piped, _ = _run(_gpt, "next_forward")
@@ -500,19 +500,28 @@ def test_backward_raises_then_model_state_after_fit(mode: str, caplog: pytest.Lo
     assert any(not torch.equal(saved[mode][k], saved["off"][k]) for k in saved["off"])  # (they do)
 
 
+@pytest.mark.parametrize("checkpoint", ["consolidated", "sharded"])
 @pytest.mark.parametrize("mode", MODES)
-def test_backward_raises_then_checkpoint_on_exception(mode: str, tmp_path: Path) -> None:
+def test_backward_raises_then_checkpoint_on_exception(mode: str, checkpoint: str, tmp_path: Path) -> None:
     """``trainer.save_checkpoint`` from ``on_exception`` after a backward that raised: the serial run's file (a
-    consistent step), or a refusal with a HINT raised from the save (the backward's error as its context)."""
+    consistent step), or a refusal with a HINT raised from the save (the backward's error as its context); a
+    sharded save refuses the same way (each rank writes the weights it owns)."""
     for overlap in ("off", mode):
         with pytest.raises((FloatingPointError, RuntimeError)) as caught:
-            _run(RaiseInBackward, overlap, callbacks=[SaveOnException(tmp_path / f"{overlap}.ckpt")])
+            _run(
+                RaiseInBackward,
+                overlap,
+                options={"checkpoint": checkpoint},
+                callbacks=[SaveOnException(tmp_path / f"{overlap}.ckpt")],
+            )
         if overlap == "off":
             assert caught.type is FloatingPointError
     assert caught.type is RuntimeError, caught.value  # refused loudly: a file would hold a mix of two steps
     assert "HINT:" in str(caught.value) and isinstance(caught.value.__context__, FloatingPointError)
     assert not (tmp_path / f"{mode}.ckpt").exists()
-    assert _checkpoint_tensors(tmp_path / "off.ckpt")  # the serial run saved its consistent step
+    assert (tmp_path / "off.ckpt").exists()  # the serial run saved its consistent step
+    if checkpoint == "consolidated":
+        assert _checkpoint_tensors(tmp_path / "off.ckpt")
 
 
 # ---- accumulation, and forwards without autograd inside the training step ---------------------------------------
