@@ -1,0 +1,136 @@
+"""Adversarial tests for the disk tier: settings, failures and training features the parity tests of
+``test_disk_tier.py`` do not combine with it. References: the same run without a disk tier (a roomy host budget)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.runtime.state import Tier
+from tests.helpers import TinyLM, assert_runs_bitwise
+from tests.helpers.data import make_loader
+from tests.helpers.runs import OptimSpec, fit_steps
+
+BASE = {"optimizer_placement": "host", "chunk_size": 4096, "device_memory_limit": "64MiB", "optimizer_overlap": "off"}
+ROOMY = "64MiB"
+TIGHT = "640KiB"
+STEPS = 3
+
+
+def _strategy(disk: Path | None, host: str, **options: Any) -> PatrickStarStrategy:
+    extra = {"disk_path": str(disk)} if disk is not None else {}
+    return PatrickStarStrategy(**{**BASE, **options}, host_memory_limit=host, **extra)
+
+
+class OnDisk(L.Callback):
+    on_disk = 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        manager = trainer.strategy._manager  # type: ignore[attr-defined]
+        self.on_disk = sum(1 for f in manager.families if manager.residency.optimizer_tier_of(f) is Tier.DISK)
+
+
+def test_disk_path_that_is_a_file_refused_at_setup(tmp_path: Path) -> None:
+    afile = tmp_path / "not_a_dir"
+    afile.write_bytes(b"keep me")
+    with pytest.raises((ValueError, NotADirectoryError), match="disk_path"):
+        fit_steps(TinyLM(), _strategy(afile, TIGHT), steps=STEPS)
+    assert afile.read_bytes() == b"keep me", "the file given as disk_path is left untouched"
+    assert sorted(os.listdir(tmp_path)) == ["not_a_dir"]
+
+
+def test_disk_limit_without_disk_path_warns(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="disk_memory_limit"):
+        fit_steps(TinyLM(), _strategy(None, ROOMY, disk_memory_limit="1MiB"), steps=1)
+
+
+class RaiseAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("user callback failed")
+
+
+@pytest.mark.parametrize("overlap", ["off", "next_forward"])
+def test_exception_mid_run_removes_run_dir_and_next_fit_is_exact(tmp_path: Path, overlap: str) -> None:
+    """A callback raising after the second step: the run directory goes; a second fit in the same process (same
+    disk_path) is bitwise the run without disk tier."""
+    with pytest.raises(RuntimeError, match="user callback failed"):
+        fit_steps(TinyLM(), _strategy(tmp_path, TIGHT, optimizer_overlap=overlap), callbacks=[RaiseAt(2)], steps=STEPS)
+    assert os.listdir(tmp_path) == [], "no run directory left after an exception"
+    peek = OnDisk()
+    got = fit_steps(TinyLM(), _strategy(tmp_path, TIGHT, optimizer_overlap=overlap), callbacks=[peek], steps=STEPS)
+    want = fit_steps(TinyLM(), _strategy(None, ROOMY), steps=STEPS)
+    assert peek.on_disk > 0
+    assert_runs_bitwise(got, want, f"after a failed fit ({overlap})")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overlap", ["off", "pipeline", "next_forward", "auto"])
+def test_weight_decay_cosine_schedule_bitwise(tmp_path: Path, overlap: str) -> None:
+    """AdamW with weight decay and a per-step cosine LR (the LR read at each disk family's step)."""
+    optim = OptimSpec(weight_decay=0.1, cosine_t_max=4, lr=1e-2)
+    peek = OnDisk()
+    got = fit_steps(
+        TinyLM(optim=optim),
+        _strategy(tmp_path, TIGHT, optimizer_overlap=overlap),
+        precision="bf16-mixed",
+        callbacks=[peek],
+        steps=4,
+    )
+    want = fit_steps(TinyLM(optim=optim), _strategy(None, ROOMY), precision="bf16-mixed", steps=4)
+    assert peek.on_disk > 0
+    assert_runs_bitwise(got, want, f"wd+cosine {overlap}")
+    assert os.listdir(tmp_path) == []
+
+
+class ValLM(TinyLM):
+    def val_dataloader(self) -> Any:
+        return make_loader(n_seq=4)
+
+
+def test_validation_every_step_bitwise(tmp_path: Path) -> None:
+    """Validation after every training step (forward without optimizer step, between disk steps)."""
+
+    def run(disk: Path | None, host: str) -> Any:
+        return fit_steps(
+            ValLM(),
+            _strategy(disk, host, optimizer_overlap="next_forward"),
+            precision="bf16-mixed",
+            steps=STEPS,
+            val_check_interval=1,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+        )
+
+    got, want = run(tmp_path, TIGHT), run(None, ROOMY)
+    assert_runs_bitwise(got, want, "validation between steps")
+    assert got.trainer.callback_metrics["val_loss"].item() == want.trainer.callback_metrics["val_loss"].item()
+    assert os.listdir(tmp_path) == []
+
+
+class FrozenLM(TinyLM):
+    def configure_model(self) -> None:
+        super().configure_model()
+        assert self.model is not None
+        for name, p in self.model.named_parameters():
+            if "wpe" in name:
+                p.requires_grad_(False)
+
+
+def test_frozen_params_bitwise(tmp_path: Path) -> None:
+    peek = OnDisk()
+    got = fit_steps(FrozenLM(), _strategy(tmp_path, TIGHT), precision="bf16-mixed", callbacks=[peek], steps=STEPS)
+    want = fit_steps(FrozenLM(), _strategy(None, ROOMY), precision="bf16-mixed", steps=STEPS)
+    assert peek.on_disk > 0
+    assert_runs_bitwise(got, want, "frozen wpe")
+    assert torch.equal(got.final["model.wpe.weight"], want.final["model.wpe.weight"])
+    assert os.listdir(tmp_path) == []
