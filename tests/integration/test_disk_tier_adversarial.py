@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.runtime.outside_writes import OutsideWriteError
 from lightning_pstar.runtime.state import Tier
-from tests.helpers import TinyLM, assert_runs_bitwise
+from tests.helpers import TinyLM, assert_runs_bitwise, assert_states_equal
 from tests.helpers.data import make_loader
 from tests.helpers.runs import OptimSpec, fit_steps
 
@@ -133,4 +134,92 @@ def test_frozen_params_bitwise(tmp_path: Path) -> None:
     assert peek.on_disk > 0
     assert_runs_bitwise(got, want, "frozen wpe")
     assert torch.equal(got.final["model.wpe.weight"], want.final["model.wpe.weight"])
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overlap", ["off", "auto"])
+def test_16_mixed_accumulate_clip_by_value_bitwise(tmp_path: Path, overlap: str) -> None:
+    """fp16 loss scaling (first steps overflow and are skipped) with accumulation and clipping by value."""
+    from lightning_pstar.precision import PatrickStarPrecision
+
+    kw: dict[str, Any] = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}
+    peek = OnDisk()
+    got = fit_steps(
+        TinyLM(),
+        _strategy(tmp_path, TIGHT, optimizer_overlap=overlap),
+        plugins=[PatrickStarPrecision("16-mixed")],
+        callbacks=[peek],
+        steps=STEPS,
+        **kw,
+    )
+    want = fit_steps(TinyLM(), _strategy(None, ROOMY), plugins=[PatrickStarPrecision("16-mixed")], steps=STEPS, **kw)
+    assert peek.on_disk > 0
+    assert_runs_bitwise(got, want, f"16-mixed accumulate clip-by-value {overlap}")
+    assert os.listdir(tmp_path) == []
+
+
+class HalveWeightsAt(L.Callback):
+    """At the end of a step: read the module's state_dict, halve every float tensor and load it back."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            sd = {k: v * 0.5 if v.is_floating_point() else v for k, v in pl_module.state_dict().items()}
+            pl_module.load_state_dict(sd)
+
+
+@pytest.mark.parametrize(("precision", "overlap"), [("32-true", "off"), ("32-true", "auto")])
+def test_load_state_dict_between_steps_reaches_masters_on_disk(tmp_path: Path, precision: str, overlap: str) -> None:
+    """load_state_dict mid-run (32-true: the parameter is its fp32 weight) with some optimizer states on disk."""
+    peek = OnDisk()
+    got = fit_steps(
+        TinyLM(),
+        _strategy(tmp_path, TIGHT, optimizer_overlap=overlap),
+        precision=precision,
+        callbacks=[HalveWeightsAt(1), peek],
+        steps=STEPS,
+    )
+    want = fit_steps(TinyLM(), _strategy(None, ROOMY), precision=precision, callbacks=[HalveWeightsAt(1)], steps=STEPS)
+    assert peek.on_disk > 0
+    assert_runs_bitwise(got, want, f"load_state_dict mid-run {precision}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_predict_after_fit_with_disk_tier(tmp_path: Path) -> None:
+    """trainer.predict on the fitted trainer: the predictions of the run without disk tier."""
+
+    def run(disk: Path | None, host: str) -> list[torch.Tensor]:
+        result = fit_steps(TinyLM(), _strategy(disk, host), precision="bf16-mixed", steps=STEPS)
+        out = result.trainer.predict(result.module, dataloaders=make_loader(n_seq=4))
+        assert out is not None
+        return [t.float() for t in out]  # type: ignore[union-attr]
+
+    got, want = run(tmp_path, TIGHT), run(None, ROOMY)
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overlap", ["off", "auto"])
+def test_load_state_dict_between_steps_mixed_refused_and_undone(tmp_path: Path, overlap: str) -> None:
+    """bf16-mixed: load_state_dict after setup is refused (documented); the write is undone, so the weights handed
+    back after the failed run equal those of the same failed run without disk tier, and the run directory goes."""
+
+    def run(disk: Path | None, host: str) -> dict[str, torch.Tensor]:
+        module = TinyLM()
+        with pytest.raises(OutsideWriteError, match="load_state_dict.*HINT"):
+            fit_steps(
+                module,
+                _strategy(disk, host, optimizer_overlap=overlap),
+                precision="bf16-mixed",
+                callbacks=[HalveWeightsAt(1)],
+                steps=STEPS,
+            )
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    got, want = run(tmp_path, TIGHT), run(None, ROOMY)
+    assert_states_equal(got, want, what=f"weights after the refused load_state_dict ({overlap})")
     assert os.listdir(tmp_path) == []
