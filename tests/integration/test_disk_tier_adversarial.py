@@ -223,3 +223,78 @@ def test_load_state_dict_between_steps_mixed_refused_and_undone(tmp_path: Path, 
     got, want = run(tmp_path, TIGHT), run(None, ROOMY)
     assert_states_equal(got, want, what=f"weights after the refused load_state_dict ({overlap})")
     assert os.listdir(tmp_path) == []
+
+
+class ChdirAt(L.Callback):
+    def __init__(self, step: int, where: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.step, self.where, self.monkeypatch = step, where, monkeypatch
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self.monkeypatch.chdir(self.where)
+
+
+def test_relative_disk_path_survives_chdir_and_keeps_user_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """disk_path given relative to the working directory, which the user changes mid-run: the run still reads its
+    files, and leaves the user's own files (one named like a run directory too) untouched."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "user.txt").write_text("mine")
+    (disk / "pstar-run-0").mkdir()
+    (disk / "pstar-run-0" / "data").write_text("also mine")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(tmp_path)
+    peek = OnDisk()
+    got = fit_steps(
+        TinyLM(),
+        _strategy(Path("disk"), TIGHT, optimizer_overlap="auto"),
+        precision="bf16-mixed",
+        callbacks=[ChdirAt(1, elsewhere, monkeypatch), peek],
+        steps=STEPS,
+    )
+    want = fit_steps(TinyLM(), _strategy(None, ROOMY), precision="bf16-mixed", steps=STEPS)
+    assert peek.on_disk > 0
+    assert_runs_bitwise(got, want, "relative disk_path, chdir mid-run")
+    assert sorted(os.listdir(disk)) == ["pstar-run-0", "user.txt"]
+    assert (disk / "pstar-run-0" / "data").read_text() == "also mine"
+    assert os.listdir(elsewhere) == []
+
+
+@pytest.mark.parametrize("limit", [-1, 0, "lots", 1.5])
+def test_bad_disk_memory_limit_refused_naming_option(tmp_path: Path, limit: Any) -> None:
+    module = TinyLM()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises((ValueError, TypeError), match="disk_memory_limit|disk_limit"):
+        fit_steps(module, _strategy(tmp_path, TIGHT, disk_memory_limit=limit), steps=STEPS)
+    assert_states_equal(module.state_dict(), before, what="weights after a refused setting")
+    assert os.listdir(tmp_path) == []
+
+
+class TwoGroupsLM(TinyLM):
+    """The usual decay / no-decay param groups, with different learning rates."""
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-2}], lr=3e-3
+        )
+
+
+@pytest.mark.parametrize("overlap", ["off", "pipeline", "next_forward"])
+def test_two_param_groups_bitwise(tmp_path: Path, overlap: str) -> None:
+    peek = OnDisk()
+    got = fit_steps(
+        TwoGroupsLM(),
+        _strategy(tmp_path, TIGHT, optimizer_overlap=overlap),
+        precision="bf16-mixed",
+        callbacks=[peek],
+        steps=STEPS,
+    )
+    want = fit_steps(TwoGroupsLM(), _strategy(None, ROOMY), precision="bf16-mixed", steps=STEPS)
+    assert peek.on_disk > 0
+    assert_runs_bitwise(got, want, f"two param groups {overlap}")
+    assert os.listdir(tmp_path) == []
