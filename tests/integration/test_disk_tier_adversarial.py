@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.checkpoint import consolidate
 from lightning_pstar.runtime.outside_writes import OutsideWriteError
 from lightning_pstar.runtime.state import Tier
 from tests.helpers import TinyLM, assert_runs_bitwise, assert_states_equal
@@ -298,3 +299,53 @@ def test_two_param_groups_bitwise(tmp_path: Path, overlap: str) -> None:
     assert peek.on_disk > 0
     assert_runs_bitwise(got, want, f"two param groups {overlap}")
     assert os.listdir(tmp_path) == []
+
+
+class SaveAt(L.Callback):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _load(path: Path, tmp: Path) -> dict[str, Any]:
+    if path.is_dir():
+        out = tmp / f"{path.name}.consolidated"
+        consolidate(path, out)
+        path = out
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
+@pytest.mark.parametrize("overlap", ["pipeline", "next_forward", "auto"])
+def test_mid_run_save_with_step_in_flight(tmp_path: Path, overlap: str, fmt: str) -> None:
+    """trainer.save_checkpoint right after optimizer.step() returned (the step of disk families may still be in
+    flight): the checkpoint equals that of the serial run without disk tier, and the run continues bitwise."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    got = fit_steps(
+        TinyLM(),
+        _strategy(disk, TIGHT, optimizer_overlap=overlap, checkpoint=fmt),
+        precision="bf16-mixed",
+        callbacks=[SaveAt(2, tmp_path / "a.ckpt")],
+        steps=STEPS,
+    )
+    want = fit_steps(
+        TinyLM(),
+        _strategy(None, ROOMY, checkpoint=fmt),
+        precision="bf16-mixed",
+        callbacks=[SaveAt(2, tmp_path / "b.ckpt")],
+        steps=STEPS,
+    )
+    assert_runs_bitwise(got, want, f"save mid-run {overlap} {fmt}")
+    a, b = _load(tmp_path / "a.ckpt", tmp_path), _load(tmp_path / "b.ckpt", tmp_path)
+    assert_states_equal(a["state_dict"], b["state_dict"], what="saved weights")
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert_states_equal(
+        {f"{i}/{k}": v for i, e in sa.items() for k, v in e.items() if torch.is_tensor(v)},
+        {f"{i}/{k}": v for i, e in sb.items() for k, v in e.items() if torch.is_tensor(v)},
+        what="saved optimizer state",
+    )
+    assert os.listdir(disk) == []
