@@ -13,6 +13,7 @@ import torch
 
 from lightning_pstar import PatrickStarStrategy
 from lightning_pstar.checkpoint import consolidate
+from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.runtime.outside_writes import OutsideWriteError
 from lightning_pstar.runtime.state import Tier
 from tests.helpers import TinyLM, assert_runs_bitwise, assert_states_equal
@@ -349,3 +350,46 @@ def test_mid_run_save_with_step_in_flight(tmp_path: Path, overlap: str, fmt: str
         what="saved optimizer state",
     )
     assert os.listdir(disk) == []
+
+
+class FailingStepLM(TinyLM):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("bad batch")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("overlap", ["off", "next_forward"])
+def test_exception_in_training_step_hands_back_exact_weights(tmp_path: Path, overlap: str) -> None:
+    """training_step raises on the third batch (under next_forward the second step of the disk families is still in
+    flight then): the weights handed back are those of the same failed run without disk tier, serial."""
+
+    def run(disk: Path | None, host: str, mode: str) -> dict[str, torch.Tensor]:
+        module = FailingStepLM()
+        with pytest.raises(RuntimeError, match="bad batch"):
+            fit_steps(module, _strategy(disk, host, optimizer_overlap=mode), precision="bf16-mixed", steps=STEPS)
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    got, want = run(tmp_path, TIGHT, overlap), run(None, ROOMY, "off")
+    untouched = TinyLM().state_dict()
+    assert not torch.equal(want["model.wpe.weight"], untouched["model.wpe.weight"]), "two steps were taken"
+    assert_states_equal(got, want, what=f"weights after a failed training_step ({overlap})")
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_budget_boundary(tmp_path: Path) -> None:
+    """The disk budget the run reports it uses is enough; one byte less is refused at setup, naming the option."""
+
+    class Report(L.Callback):
+        used = 0
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.used = trainer.strategy.memory_report().disk_chunk_bytes  # type: ignore[attr-defined]
+
+    report = Report()
+    fit_steps(TinyLM(), _strategy(tmp_path, TIGHT), callbacks=[report], steps=1)
+    assert report.used > 0
+    fit_steps(TinyLM(), _strategy(tmp_path, TIGHT, disk_memory_limit=report.used), steps=1)
+    with pytest.raises(MemoryBudgetError, match="disk"):
+        fit_steps(TinyLM(), _strategy(tmp_path, TIGHT, disk_memory_limit=report.used - 1), steps=1)
+    assert os.listdir(tmp_path) == []
