@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_pstar import PatrickStarFabricStrategy
-from tests.helpers.asserts import assert_states_equal, max_rel_diff
+from lightning_pstar.checkpoint import full_state_dict
+from tests.helpers.asserts import assert_states_close, assert_states_equal, max_rel_diff
 from tests.helpers.fabric_loop import LoopSpec, batches, train
 from tests.helpers.models import SEED, FlatGPT, lm_loss
 
@@ -82,3 +84,139 @@ def test_lbfgs_refused_at_setup() -> None:
     net = FlatGPT()
     with pytest.raises(TypeError, match="LBFGS.*HINT"):
         fabric.setup(net, torch.optim.LBFGS(net.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("direction", ["plain_to_pstar", "pstar_to_plain"])
+def test_resume_across_plain_fabric_and_patrickstar(direction: str, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    common: dict[str, Any] = {"steps": 4, "two_groups": True, "scheduler": True}
+    pstar = PatrickStarFabricStrategy(checkpoint="consolidated")
+    first, second = ("auto", pstar) if direction == "plain_to_pstar" else (pstar, "auto")
+    whole = train(LoopSpec(strategy=first, save_at=2, checkpoint=path, **common))
+    resumed = train(LoopSpec(strategy=second, resume_from=path, **common))
+    assert len(resumed.losses) == 2
+    assert max_rel_diff(resumed.losses, whole.losses[2:]) <= LOSS_RTOL, f"{resumed.losses} vs {whole.losses[2:]}"
+    assert_states_close(resumed.state, whole.state, what=f"resume {direction}")
+
+
+def test_extra_user_state_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    fabric, model, opt = _set_up()
+    x, y = next(batches(1, 0))
+    fabric.backward(lm_loss(model(x), y))
+    opt.step()
+    extra = {"rng": torch.arange(5), "name": "run-1", "nested": {"best": 0.25, "hist": [1, 2]}}
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 7, "extra": extra})
+    fabric2, model2, opt2 = _set_up()
+    state: dict[str, Any] = {"model": model2, "optimizer": opt2, "step": 0}
+    rest = fabric2.load(path, state)
+    assert state["step"] == 7
+    assert torch.equal(rest["extra"]["rng"], torch.arange(5))
+    assert rest["extra"]["name"] == "run-1" and rest["extra"]["nested"] == {"best": 0.25, "hist": [1, 2]}
+    # the loaded pair continues exactly as the saved one
+    x, y = next(batches(1, 0))
+    a = lm_loss(model(x), y)
+    b = lm_loss(model2(x), y)
+    assert torch.equal(a, b)
+
+
+class _Tied(torch.nn.Module):
+    """A parameter shared by two modules (tied embedding and head), and a submodule called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = torch.tanh(self.mid(h))
+        h = torch.tanh(self.mid(h))  # the same Linear twice
+        return self.head(h)
+
+
+def _tied_run(strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(SEED)
+    net = _Tied()
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    stream = batches(1, 0)
+    losses = []
+    for _ in range(3):
+        x, y = next(stream)
+        loss = lm_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    sd = fabric.strategy.get_module_state_dict(model._forward_module) if strategy == "auto" else None
+    if sd is None:
+        sd = full_state_dict(fabric.strategy.chunk_manager)
+    return losses, {k: v.detach().float().clone() for k, v in sd.items()}
+
+
+def test_tied_parameter_and_reused_submodule_match_plain() -> None:
+    ref_losses, ref_state = _tied_run("auto")
+    got_losses, got_state = _tied_run("patrickstar")
+    assert max_rel_diff(got_losses, ref_losses) <= LOSS_RTOL, f"{got_losses} vs plain {ref_losses}"
+    assert torch.allclose(got_state["emb.weight"], ref_state["emb.weight"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "next_forward", "auto"])
+def test_bf16_overlap_modes_bitwise_vs_off(mode: str) -> None:
+    common: dict[str, Any] = {"steps": 3, "precision": "bf16-mixed", "clip_val": 0.01, "eval_between": True}
+    off = train(LoopSpec(strategy=PatrickStarFabricStrategy(optimizer_overlap="off"), **common))
+    got = train(LoopSpec(strategy=PatrickStarFabricStrategy(optimizer_overlap=mode), **common))
+    assert got.losses == off.losses and got.eval_losses == off.eval_losses
+    assert_states_equal(got.state, off.state, what=f"bf16 overlap {mode} vs off")
+
+
+def _autocast_eval_run(strategy: Any, precision: str) -> tuple[list[float], list[float], torch.Tensor]:
+    """fabric.autocast() around the forward, an eval()/no_grad pass between steps, reading model.module weights."""
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+    fabric.launch()
+    torch.manual_seed(SEED)
+    net = FlatGPT()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    stream = batches(1, 0)
+    losses, evals = [], []
+    for _ in range(3):
+        x, y = next(stream)
+        model.train()
+        with fabric.autocast():
+            loss = lm_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses.append(float(loss.detach()))
+        model.eval()
+        with torch.no_grad():
+            evals.append(float(lm_loss(model(x), y)))
+    first = next(p for p in model.module.parameters() if p.requires_grad)
+    return losses, evals, first.detach().float().clone()
+
+
+def test_autocast_eval_mode_and_module_weights_match_plain() -> None:
+    ref = _autocast_eval_run("auto", "32-true")
+    got = _autocast_eval_run("patrickstar", "32-true")
+    assert max_rel_diff(got[0], ref[0]) <= LOSS_RTOL, f"{got[0]} vs plain {ref[0]}"
+    assert max_rel_diff(got[1], ref[1]) <= LOSS_RTOL, f"eval {got[1]} vs plain {ref[1]}"
+    assert got[2].shape == ref[2].shape and torch.allclose(got[2], ref[2], rtol=1e-5, atol=1e-6)
+
+
+def test_clip_nonfinite_without_error_matches_plain_skip_semantics() -> None:
+    """error_if_nonfinite=False: plain Fabric returns a non-finite norm and the step writes NaN weights; the engine
+    must not silently produce finite-but-different weights: it either matches (non-finite) or raises clearly."""
+    fabric, model, opt = _set_up()
+    x, y = next(batches(1, 0))
+    fabric.backward(lm_loss(model(x), y) * float("inf"))
+    before = {k: v.clone() for k, v in full_state_dict(fabric.strategy.chunk_manager).items()}
+    norm = fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
+    assert not torch.isfinite(norm)
+    opt.step()
+    after = full_state_dict(fabric.strategy.chunk_manager)
+    for k, v in after.items():  # skipped (documented) or NaN like plain torch; never finite and moved
+        assert torch.equal(v, before[k]) or not torch.isfinite(v).all(), k
