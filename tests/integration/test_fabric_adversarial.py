@@ -275,3 +275,38 @@ def test_load_raw_and_partial_strict_false(tmp_path: Path) -> None:
     rest = fabric3.load(path, {"model": model3}, strict=False)
     assert_states_equal(full_state_dict(fabric3.strategy.chunk_manager), trained, what="strict=False")
     assert "optimizer" in rest and rest["step"] == 1
+
+
+def _direct_submodule_run(strategy: Any, first: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(SEED)
+    net = FlatGPT()
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    stream = batches(1, 0)
+    losses = []
+    for _ in range(3):
+        x, y = next(stream)
+        if first:  # a submodule called directly (not through the wrapper) before the wrapper's forward
+            extra = 0.1 * model.module.wte(x).pow(2).mean()
+            loss = extra + lm_loss(model(x), y)
+        else:
+            loss = lm_loss(model(x), y) + 0.1 * model.module.wte(x).pow(2).mean()
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    if strategy == "auto":
+        sd = fabric.strategy.get_module_state_dict(model._forward_module)
+    else:
+        sd = full_state_dict(fabric.strategy.chunk_manager)
+    return losses, {k: v.detach().float().clone() for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["direct_first", "direct_after"])
+@pytest.mark.filterwarnings("ignore")
+def test_submodule_called_directly_in_the_step_matches_plain(first: bool) -> None:
+    ref_losses, ref_state = _direct_submodule_run("auto", first)
+    got_losses, got_state = _direct_submodule_run("patrickstar", first)
+    assert max_rel_diff(got_losses, ref_losses) <= LOSS_RTOL, f"{got_losses} vs plain {ref_losses}"
+    assert_states_close(got_state, ref_state, what=f"direct submodule first={first}")
