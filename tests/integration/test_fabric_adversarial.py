@@ -310,3 +310,52 @@ def test_submodule_called_directly_in_the_step_matches_plain(first: bool) -> Non
     got_losses, got_state = _direct_submodule_run("patrickstar", first)
     assert max_rel_diff(got_losses, ref_losses) <= LOSS_RTOL, f"{got_losses} vs plain {ref_losses}"
     assert_states_close(got_state, ref_state, what=f"direct submodule first={first}")
+
+
+def _opt_run(strategy: Any, make: Any) -> list[float]:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(SEED)
+    net = FlatGPT()
+    model, opt = fabric.setup(net, make(net.parameters()))
+    stream = batches(1, 0)
+    losses = []
+    for _ in range(2):
+        for k in range(3):  # accumulation over 3 micro-batches with a no_grad eval in the middle
+            x, y = next(stream)
+            with fabric.no_backward_sync(model, enabled=k < 2):
+                loss = lm_loss(model(x), y)
+                fabric.backward(loss / 3)
+            losses.append(float(loss.detach()))
+            if k == 1:
+                with torch.no_grad():
+                    losses.append(float(lm_loss(model(x), y)))
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    x, y = next(stream)
+    with torch.no_grad():
+        losses.append(float(lm_loss(model(x), y)))
+    return losses
+
+
+OPTIMIZERS = {
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "sgd_dampening_maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.5, maximize=True),
+    "adamw_maximize_betas": lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.5, 0.9), eps=1e-3, maximize=True),
+    "adam_tensor_lr": lambda p: torch.optim.Adam(p, lr=torch.tensor(1e-2), weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_variants_with_accumulation_match_plain(name: str) -> None:
+    ref = _opt_run("auto", OPTIMIZERS[name])
+    got = _opt_run("patrickstar", OPTIMIZERS[name])
+    assert max_rel_diff(got, ref) <= LOSS_RTOL, f"{name}: {got} vs plain {ref}"
+
+
+def test_amsgrad_refused_at_setup_with_hint() -> None:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="patrickstar")
+    fabric.launch()
+    net = FlatGPT()
+    with pytest.raises(ValueError, match="amsgrad.*HINT"):
+        fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2, amsgrad=True))
