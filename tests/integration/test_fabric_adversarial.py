@@ -359,3 +359,38 @@ def test_amsgrad_refused_at_setup_with_hint() -> None:
     net = FlatGPT()
     with pytest.raises(ValueError, match="amsgrad.*HINT"):
         fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2, amsgrad=True))
+
+
+def _midrun_changes(strategy: Any, change: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(SEED)
+    net = FlatGPT()
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    stream = batches(1, 0)
+    losses = []
+    for i in range(4):
+        if i == 2 and change == "hyperparams":  # edited by hand in param_groups, as a user schedule would
+            for group in opt.param_groups:
+                group["lr"], group["weight_decay"], group["betas"] = 3e-2, 0.5, (0.8, 0.99)
+        if i == 2 and change == "freeze":  # frozen mid-run: plain AdamW then skips it (no decay either)
+            model.module.wte.weight.requires_grad_(False)
+        x, y = next(stream)
+        loss = lm_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    if strategy == "auto":
+        sd = fabric.strategy.get_module_state_dict(model._forward_module)
+    else:
+        sd = full_state_dict(fabric.strategy.chunk_manager)
+    return losses, {k: v.detach().float().clone() for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("change", ["hyperparams", "freeze"])
+def test_mid_run_param_group_edits_and_freezing_match_plain(change: str) -> None:
+    ref_losses, ref_state = _midrun_changes("auto", change)
+    got_losses, got_state = _midrun_changes("patrickstar", change)
+    assert max_rel_diff(got_losses, ref_losses) <= LOSS_RTOL, f"{change}: {got_losses} vs plain {ref_losses}"
+    assert_states_close(got_state, ref_state, what=f"mid-run {change}")
