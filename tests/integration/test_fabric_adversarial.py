@@ -11,7 +11,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_pstar import PatrickStarFabricStrategy
-from lightning_pstar.checkpoint import full_state_dict
+from lightning_pstar.checkpoint import CheckpointError, full_state_dict
 from lightning_pstar.optim.optimizer import NonFiniteStepError
 from tests.helpers.asserts import assert_states_close, assert_states_equal, max_rel_diff
 from tests.helpers.fabric_loop import LoopSpec, batches, train
@@ -394,3 +394,21 @@ def test_mid_run_param_group_edits_and_freezing_match_plain(change: str) -> None
     got_losses, got_state = _midrun_changes("patrickstar", change)
     assert max_rel_diff(got_losses, ref_losses) <= LOSS_RTOL, f"{change}: {got_losses} vs plain {ref_losses}"
     assert_states_close(got_state, ref_state, what=f"mid-run {change}")
+
+
+def test_plain_fabric_checkpoint_with_other_optimizer_class_refused_before_change(tmp_path: Path) -> None:
+    path = tmp_path / "plain.ckpt"
+    plain = Fabric(accelerator="cpu", devices=1)
+    plain.launch()
+    torch.manual_seed(SEED)
+    net = FlatGPT()
+    model, opt = plain.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    x, y = next(batches(1, 0))
+    plain.backward(lm_loss(model(x), y))
+    opt.step()
+    plain.save(path, {"model": model, "optimizer": opt})
+    fabric, model2, opt2 = _set_up()
+    before = {k: v.clone() for k, v in full_state_dict(fabric.strategy.chunk_manager).items()}
+    with pytest.raises(CheckpointError, match="plain.ckpt.*SGD.*AdamW.*HINT"):
+        fabric.load(path, {"model": model2, "optimizer": opt2})
+    assert_states_equal(full_state_dict(fabric.strategy.chunk_manager), before, what="after refused load")
