@@ -11,10 +11,21 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
 from launch import run_ranks
-from workloads import RunSpec, fit_in_rank, read_records
+from torch.utils.data import DataLoader
+from workloads import RecordingModule, RunSpec, fit_in_rank, read_records
+
+from lightning_pstar import PatrickStarStrategy
+from tests.helpers.data import make_dataset
+from tests.helpers.runs import quiet_trainer_options
 
 pytestmark = pytest.mark.slow  # trains on spawned ranks
 
@@ -72,3 +83,97 @@ def test_sgd_clip_accumulate_parity_with_ddp_per_placement(placement: str, runs:
     got = torch.load(spec.checkpoint_path, weights_only=True)["state_dict"]
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---- checkpoints saved with one placement, resumed at 2 ranks with another ----------------------------------------
+
+EPOCH_STEPS = 3
+"""Optimizer steps per epoch; the full run trains 2 epochs, the first half saves at the end of epoch 0."""
+
+
+class FixedScheduleModule(RecordingModule):
+    """:class:`RecordingModule` whose cosine schedule spans the full 2-epoch run whatever ``max_epochs`` is."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=2 * EPOCH_STEPS)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@dataclass(kw_only=True)
+class ResumeJob:
+    tag: str
+    out_dir: str
+    epochs: int
+    fmt: str
+    options: dict[str, Any] = field(default_factory=dict)
+    ckpt_in: str | None = None
+    ckpt_out: str | None = None
+
+    def weights(self, rank: int) -> dict[str, torch.Tensor]:
+        return torch.load(Path(self.out_dir) / f"{self.tag}-w{rank}.pt", weights_only=True)
+
+
+def resume_in_rank(rank: int, world_size: int, jobs: list[ResumeJob]) -> None:
+    for job in jobs:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=PatrickStarStrategy(chunk_size=4096, checkpoint=job.fmt, **job.options),
+            max_epochs=job.epochs,
+            limit_val_batches=0,
+            **quiet_trainer_options(),
+        )
+        data = make_dataset(EPOCH_STEPS * 4 * world_size)
+        loader = DataLoader(data, batch_size=4, shuffle=False)
+        module = FixedScheduleModule(RunSpec(tag=job.tag, out_dir=job.out_dir, grad_hook=False))
+        trainer.fit(module, loader, ckpt_path=job.ckpt_in)
+        if job.ckpt_out is not None:
+            trainer.save_checkpoint(job.ckpt_out)
+        torch.save(module.state_dict(), Path(job.out_dir) / f"{job.tag}-w{trainer.global_rank}.pt")
+
+
+RESUME_PLACEMENTS: dict[str, dict[str, Any]] = {
+    "host-pipeline": {"optimizer_placement": "host", "optimizer_overlap": "pipeline"},
+    "host-next_forward": {"optimizer_placement": "host", "optimizer_overlap": "next_forward"},
+}
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ResumeJob]:
+    out = tmp_path_factory.mktemp("resume_adv")
+    device = {"optimizer_placement": "device", "optimizer_overlap": "off"}
+    jobs: dict[str, ResumeJob] = {}
+    for fmt in ("sharded", "consolidated"):
+        ckpt = str(out / f"half-{fmt}.ckpt")
+        jobs[f"full-{fmt}"] = ResumeJob(tag=f"full-{fmt}", out_dir=str(out), epochs=2, fmt=fmt, options=device)
+        jobs[f"half-{fmt}"] = ResumeJob(
+            tag=f"half-{fmt}", out_dir=str(out), epochs=1, fmt=fmt, options=device, ckpt_out=ckpt
+        )
+        for name, options in RESUME_PLACEMENTS.items():
+            tag = f"resumed-{fmt}-{name}"
+            jobs[tag] = ResumeJob(tag=tag, out_dir=str(out), epochs=2, fmt=fmt, options=options, ckpt_in=ckpt)
+    run_ranks(resume_in_rank, 2, list(jobs.values()))
+    return jobs
+
+
+@pytest.mark.parametrize("placement", list(RESUME_PLACEMENTS))
+@pytest.mark.parametrize("fmt", ["sharded", "consolidated"])
+def test_resume_with_another_placement_continues_exactly(
+    fmt: str, placement: str, resume_runs: dict[str, ResumeJob]
+) -> None:
+    """Saved at 2 ranks with every optimizer step on the device, resumed at 2 ranks with the step on the host
+    (pipelined): the second epoch's losses and the final weights equal the uninterrupted device run's."""
+    full, resumed = resume_runs[f"full-{fmt}"], resume_runs[f"resumed-{fmt}-{placement}"]
+    for rank in range(2):
+        want = json.loads(Path(full.out_dir, f"{full.tag}-rank{rank}.json").read_text())
+        got = json.loads(Path(resumed.out_dir, f"{resumed.tag}-rank{rank}.json").read_text())
+        assert want["global_step"] == got["global_step"] == 2 * EPOCH_STEPS
+        tail = want["losses"][EPOCH_STEPS:]
+        assert len(got["losses"]) == len(tail) == EPOCH_STEPS, got["losses"]
+        for i, (a, b) in enumerate(zip(got["losses"], tail, strict=True)):
+            assert abs(a - b) <= 1e-6 * abs(b), f"rank {rank} step {EPOCH_STEPS + i}: resumed {a!r} vs full {b!r}"
+        want_w, got_w = full.weights(rank), resumed.weights(rank)
+        assert sorted(got_w) == sorted(want_w)
+        for name, value in want_w.items():
+            torch.testing.assert_close(got_w[name], value, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
