@@ -19,12 +19,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from launch import run_ranks
 from torch.utils.data import DataLoader
 from workloads import RecordingModule, RunSpec, fit_in_rank, read_records
 
 from lightning_pstar import PatrickStarStrategy
 from tests.helpers.data import make_dataset
+from tests.helpers.models import SEED, VOCAB
 from tests.helpers.runs import quiet_trainer_options
 
 pytestmark = pytest.mark.slow  # trains on spawned ranks
@@ -177,3 +179,104 @@ def test_resume_with_another_placement_continues_exactly(
         assert sorted(got_w) == sorted(want_w)
         for name, value in want_w.items():
             torch.testing.assert_close(got_w[name], value, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---- uneven shards, a parameter smaller than the world size, frozen params; validate/predict after fit ----------
+
+
+class UnevenNet(torch.nn.Module):
+    """One wide embedding (most of the elements, so one rank owns far more than the other), tiny layers, a
+    1-element gain (smaller than the world size), a 1-element bias and a frozen Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(VOCAB, 384)
+        self.down = torch.nn.Linear(384, 8)
+        self.gain = torch.nn.Parameter(torch.ones(1))
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(8, VOCAB)
+        self.one = torch.nn.Linear(VOCAB, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.down(self.wte(idx))) * self.gain
+        x = x + self.frozen(x)
+        logits = self.head(x)
+        return logits + self.one(logits)
+
+
+class UnevenLM(L.LightningModule):
+    def __init__(self, tag: str, out_dir: str) -> None:
+        super().__init__()
+        self.tag, self.out_dir = tag, out_dir
+        torch.manual_seed(SEED)
+        self.net = UnevenNet()
+        self.losses: list[float] = []
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x).reshape(-1, VOCAB), y.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).sum(dim=-1)
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+
+
+def uneven_in_rank(rank: int, world_size: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    for tag in ("ddp", "pstar"):
+        strategy: Any = "ddp" if tag == "ddp" else PatrickStarStrategy(chunk_size=4096)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=5,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.3,
+            **quiet_trainer_options(),
+        )
+        module = UnevenLM(tag, out_dir)
+        loader = DataLoader(make_dataset(5 * 2 * 4 * world_size), batch_size=4, shuffle=False)
+        trainer.fit(module, loader)
+        val_loader = DataLoader(make_dataset(4 * world_size * 2, seed=77), batch_size=4, shuffle=False)
+        metrics = trainer.validate(module, val_loader, verbose=False)
+        preds = trainer.predict(module, val_loader)
+        record = {
+            "losses": module.losses,
+            "val": metrics[0]["val_loss"],
+            "preds": [p.tolist() for p in preds],
+            "gain": float(module.net.gain.detach()),
+        }
+        Path(out_dir, f"uneven-{tag}-rank{rank}.json").write_text(json.dumps(record))
+        torch.save(module.state_dict(), Path(out_dir, f"uneven-{tag}-w{rank}.pt"))
+
+
+def test_uneven_shards_tiny_and_frozen_params_match_ddp_then_validate_and_predict(tmp_path: Path) -> None:
+    run_ranks(uneven_in_rank, 2, str(tmp_path))
+    for rank in range(2):
+        ref = json.loads(Path(tmp_path, f"uneven-ddp-rank{rank}.json").read_text())
+        got = json.loads(Path(tmp_path, f"uneven-pstar-rank{rank}.json").read_text())
+        assert len(got["losses"]) == len(ref["losses"]) == 10
+        for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), f"rank {rank} micro-batch {i}: {a!r} vs ddp {b!r}"
+        assert got["val"] == pytest.approx(ref["val"], rel=1e-5)
+        assert len(got["preds"]) == len(ref["preds"]) > 0
+        for a, b in zip(got["preds"], ref["preds"], strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+        want = torch.load(Path(tmp_path, f"uneven-ddp-w{rank}.pt"), weights_only=True)
+        have = torch.load(Path(tmp_path, f"uneven-pstar-w{rank}.pt"), weights_only=True)
+        assert sorted(have) == sorted(want)
+        for name, value in want.items():
+            torch.testing.assert_close(have[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert not torch.equal(want["net.gain"], torch.ones(1)), "the 1-element gain never trained"
