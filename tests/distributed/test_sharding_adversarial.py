@@ -121,7 +121,7 @@ def resume_in_rank(rank: int, world_size: int, jobs: list[ResumeJob]) -> None:
         trainer = L.Trainer(
             accelerator="cpu",
             devices=world_size,
-            strategy=PatrickStarStrategy(chunk_size=4096, checkpoint=job.fmt, **job.options),
+            strategy=PatrickStarStrategy(checkpoint=job.fmt, **{"chunk_size": 4096, **job.options}),
             max_epochs=job.epochs,
             limit_val_batches=0,
             **quiet_trainer_options(),
@@ -138,6 +138,7 @@ def resume_in_rank(rank: int, world_size: int, jobs: list[ResumeJob]) -> None:
 RESUME_PLACEMENTS: dict[str, dict[str, Any]] = {
     "host-pipeline": {"optimizer_placement": "host", "optimizer_overlap": "pipeline"},
     "host-next_forward": {"optimizer_placement": "host", "optimizer_overlap": "next_forward"},
+    "tight-device": {"device_memory_limit": "640KiB", "warmup_chunk_fraction": 0.5, "optimizer_placement": "auto"},
 }
 
 
@@ -165,7 +166,8 @@ def test_resume_with_another_placement_continues_exactly(
     fmt: str, placement: str, resume_runs: dict[str, ResumeJob]
 ) -> None:
     """Saved at 2 ranks with every optimizer step on the device, resumed at 2 ranks with the step on the host
-    (pipelined): the second epoch's losses and the final weights equal the uninterrupted device run's."""
+    (pipelined, next_forward) or under a device budget that keeps chunks on the host:
+    the second epoch's losses and the final weights equal the uninterrupted device run's."""
     full, resumed = resume_runs[f"full-{fmt}"], resume_runs[f"resumed-{fmt}-{placement}"]
     for rank in range(2):
         want = json.loads(Path(full.out_dir, f"{full.tag}-rank{rank}.json").read_text())
@@ -173,6 +175,9 @@ def test_resume_with_another_placement_continues_exactly(
         assert want["global_step"] == got["global_step"] == 2 * EPOCH_STEPS
         tail = want["losses"][EPOCH_STEPS:]
         assert len(got["losses"]) == len(tail) == EPOCH_STEPS, got["losses"]
+        if placement == "tight-device":
+            report = got["memory_report"]
+            assert report["host_chunk_bytes"] > 0 and report["device_memory_limit"] == 640 * 1024, report
         for i, (a, b) in enumerate(zip(got["losses"], tail, strict=True)):
             assert abs(a - b) <= 1e-6 * abs(b), f"rank {rank} step {EPOCH_STEPS + i}: resumed {a!r} vs full {b!r}"
         want_w, got_w = full.weights(rank), resumed.weights(rank)
