@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import run_ranks
+from launch import WorkerFailure, run_ranks
 from torch.utils.data import DataLoader
 from workloads import RecordingModule, RunSpec, fit_in_rank, read_records
 
@@ -285,3 +285,31 @@ def test_uneven_shards_tiny_and_frozen_params_match_ddp_then_validate_and_predic
         for name, value in want.items():
             torch.testing.assert_close(have[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         assert not torch.equal(want["net.gain"], torch.ones(1)), "the 1-element gain never trained"
+
+
+# ---- a rank-dependent failure while the other rank's host step runs into the next forward ----------------------
+
+
+def test_failure_on_one_rank_under_next_forward_ends_both_ranks(tmp_path: Path) -> None:
+    """Rank 1 raises in ``training_step`` at step 2 while rank 0 may still be finishing step 1's host-side step
+    in the background ("next_forward"): both ranks end by themselves with an error, nobody hangs, and no disk or
+    record files are left as if the run succeeded."""
+    options = {"optimizer_placement": "host", "optimizer_overlap": "next_forward"}
+    spec = RunSpec(
+        tag="fail-nf",
+        out_dir=str(tmp_path),
+        steps=6,
+        chunk_size=4096,
+        grad_hook=False,
+        options=options,
+        fail_rank=1,
+        fail_step=2,
+    )
+    with pytest.raises(WorkerFailure, match="injected failure on rank 1 at step 2") as info:
+        run_ranks(fit_in_rank, 2, [spec], grace=60.0)
+    failed_at = float(spec.failure_time_path.read_text())
+    for outcome in info.value.outcomes:
+        assert not outcome.killed, f"rank {outcome.rank} did not end by itself:\n{info.value}"
+        assert outcome.exitcode != 0, f"rank {outcome.rank} reported success"
+        assert outcome.ended_at - failed_at < 60.0, outcome.describe()
+    assert not spec.record_path(0).exists() and not spec.record_path(1).exists()
