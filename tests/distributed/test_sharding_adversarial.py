@@ -217,6 +217,7 @@ class UnevenLM(L.LightningModule):
         torch.manual_seed(SEED)
         self.net = UnevenNet()
         self.losses: list[float] = []
+        self.norms: list[float] = []
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
@@ -226,6 +227,11 @@ class UnevenLM(L.LightningModule):
         loss = self._loss(batch)
         self.losses.append(float(loss.detach()))
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.tag == "ddp":  # the global norm Lightning clips by (PatrickStar keeps gradients in its chunks)
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), sync_dist=True)
@@ -259,6 +265,7 @@ def uneven_in_rank(rank: int, world_size: int, out_dir: str) -> None:
         preds = trainer.predict(module, val_loader)
         record = {
             "losses": module.losses,
+            "norms": module.norms,
             "val": metrics[0]["val_loss"],
             "preds": [p.tolist() for p in preds],
             "gain": float(module.net.gain.detach()),
@@ -273,6 +280,7 @@ def test_uneven_shards_tiny_and_frozen_params_match_ddp_then_validate_and_predic
         ref = json.loads(Path(tmp_path, f"uneven-ddp-rank{rank}.json").read_text())
         got = json.loads(Path(tmp_path, f"uneven-pstar-rank{rank}.json").read_text())
         assert len(got["losses"]) == len(ref["losses"]) == 10
+        assert any(n > 0.3 for n in ref["norms"]), f"clipping inactive: {ref['norms']}"
         for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
             assert abs(a - b) <= LOSS_RTOL * abs(b), f"rank {rank} micro-batch {i}: {a!r} vs ddp {b!r}"
         assert got["val"] == pytest.approx(ref["val"], rel=1e-5)
