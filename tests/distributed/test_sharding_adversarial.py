@@ -3,7 +3,7 @@
 - Every ``optimizer_overlap`` mode ("pipeline", "next_forward", "auto") with the host-side step, AdamW with
   weight decay, a cosine schedule and ``accumulate_grad_batches=2`` at 2 ranks: same losses on every rank and the
   same checkpoint (weights and optimizer states) as the serial "off" run, bitwise. The existing pipeline test runs
-  bf16-mixed without accumulation and never runs "next_forward".
+  bf16-mixed without accumulation and never runs "next_forward"; here "next_forward" also runs in bf16-mixed.
 - Placement never changes the arithmetic: SGD with momentum (no scale invariance to hide a wrong factor),
   accumulation and clipping by the global norm at 2 ranks, with the step on the device and on the host, against
   Lightning's DDP (the global norm must be over every rank's shard).
@@ -44,6 +44,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunSpec]:
     for mode in MODES:
         options = {"optimizer_placement": "host", "optimizer_overlap": mode}
         specs[mode] = RunSpec(tag=f"mode-{mode}", grad_hook=False, options=options, **common)
+    for mode in ("off", "next_forward"):
+        options = {"optimizer_placement": "host", "optimizer_overlap": mode}
+        specs[f"bf16-{mode}"] = RunSpec(
+            tag=f"bf16-{mode}", grad_hook=False, precision="bf16-mixed", options=options, **common
+        )
     clip = {**common, "optim": "sgd", "clip": 0.5}
     specs["ddp"] = RunSpec(tag="ddp-sgd", strategy="ddp", **clip)
     for placement in ("device", "host"):
@@ -53,9 +58,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunSpec]:
     return specs
 
 
-@pytest.mark.parametrize("mode", MODES[1:])
+@pytest.mark.parametrize("mode", [*MODES[1:], "bf16-next_forward"])
 def test_overlap_mode_bitwise_equal_to_serial_at_two_ranks(mode: str, runs: dict[str, RunSpec]) -> None:
-    serial, spec = runs["off"], runs[mode]
+    serial, spec = runs["bf16-off" if mode.startswith("bf16") else "off"], runs[mode]
     for rank, (a, b) in enumerate(zip(read_records(serial), read_records(spec), strict=True)):
         assert len(a["losses"]) == STEPS * 2
         assert b["losses"] == a["losses"], f"{mode}, rank {rank}"
