@@ -86,7 +86,8 @@ class ChunkedOptimizer(Optimizer):
             names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
             raise TypeError(
                 f"PatrickStar cannot run optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__}."
-                f" Supported: {names}. HINT: return one of these from `configure_optimizers`."
+                f" Supported: {names}. HINT: return one of these from `configure_optimizers` (under Fabric: pass one"
+                " to `fabric.setup`)."
             )
         _check_options(optimizer, manager)
         # torch's constructor builds the internals (it adds copies of the groups through add_param_group, which
@@ -370,7 +371,8 @@ class ChunkedOptimizer(Optimizer):
         raise NotImplementedError(
             "PatrickStar lays out chunks and optimizer states at setup, so parameter groups cannot be added"
             " during training (e.g. by a fine-tuning callback that unfreezes layers). HINT: put every"
-            " parameter in a group in `configure_optimizers` and set requires_grad before `fit`."
+            " parameter in a group in `configure_optimizers` and set requires_grad before `fit` (under Fabric:"
+            " in the optimizer given to `fabric.setup`, before that call)."
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -478,5 +480,6 @@ def _check_options(optimizer: Optimizer, manager: ChunkManager) -> None:
                 raise ValueError(
                     f"Param group {gi} of {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)}"
                     " that is not a parameter of the LightningModule. HINT: build the optimizer from"
-                    " `self.parameters()` inside `configure_optimizers`."
+                    " `self.parameters()` inside `configure_optimizers` (under Fabric: from the parameters of the"
+                    " model given to `fabric.setup`)."
                 ) from None

@@ -49,9 +49,9 @@ def check_optimizer_class(optimizer: torch.optim.Optimizer, fields: set[str], gr
     if saved is not None and saved != mine:
         raise ValueError(
             f"{where} was written by {saved} (fields {sorted(fields) or 'none'}), but this run's optimizer is"
-            f" {type(optimizer).__name__}. HINT: return the same optimizer class from `configure_optimizers` as"
-            " the run that saved the checkpoint, or load only the weights (module.load_state_dict before fit,"
-            " without ckpt_path)."
+            f" {type(optimizer).__name__}. HINT: build the same optimizer class (`configure_optimizers`; under"
+            " Fabric, the optimizer given to `fabric.setup`) as the run that saved the checkpoint, or load only the"
+            " weights (module.load_state_dict before fit, without ckpt_path; `fabric.load` of the model alone)."
         )
 
 
@@ -279,7 +279,8 @@ class ChunkedStateDict:
             kind = "Adam/AdamW" if self._book.is_adam else "SGD"
             raise ValueError(
                 f"the optimizer state was written by {writer} (fields {sorted(fields)}), this optimizer is {kind}."
-                " HINT: return the same optimizer class from `configure_optimizers` as the run that saved it."
+                " HINT: build the same optimizer class (`configure_optimizers`; under Fabric, the optimizer given to"
+                " `fabric.setup`) as the run that saved it."
             )
         saved_index = [i for g in groups for i in g["params"]]
         updates: list[tuple[ParamRecord, dict[str, Any]]] = []
@@ -320,7 +321,8 @@ class ChunkedStateDict:
         if len(groups) != len(self._param_groups):
             raise ValueError(
                 f"optimizer state has {len(groups)} param groups, this optimizer has {len(self._param_groups)}."
-                " HINT: configure_optimizers must build the same groups as the run that saved it."
+                " HINT: build the same param groups (in `configure_optimizers`; under Fabric, in the optimizer given to"
+                " `fabric.setup`) as the run that saved it."
             )
         for gi, (saved, mine) in enumerate(zip(groups, self._param_groups, strict=True)):
             if len(saved["params"]) != len(mine["params"]):

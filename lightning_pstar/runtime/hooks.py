@@ -42,10 +42,21 @@ per-module hooks that move memory; the arithmetic inside each graph is the model
 in the backward, which Lightning calls outside compiled code. The wrapper costs about a microsecond per
 call, so hooks are wrapped only when the model holds compiled code at setup (a compiled LightningModule or
 submodule); a function compiled some other way still trains correctly, with more graph breaks.
+
+[Note: hooks that hold the engine]
+A tensor's hooks (``register_post_accumulate_grad_hook``, ``Tensor.register_hook``) and an autograd node's are
+held from C++, where Python's garbage collector cannot follow them, and a parameter with a hook is not traversed
+by the collector at all. A hook whose closure reached the engine (the manager holds the records, the records
+hold the parameters) was therefore a cycle the collector can never free: a Fabric run, which nothing tears down,
+kept its engine, its chunks, the model and its disk-tier run directory until the interpreter exited, after the
+user had dropped every reference. So those hooks hold the engine weakly (the manager, the record, the module's
+own backward callback, which the module's forward hook, a plain Python dict, keeps alive), and a dropped run is
+freed by the next collection, its run directory with it (``tests/integration/test_disk_tier_adversarial.py``).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -402,11 +413,15 @@ class ModelHooks:
         return post_forward
 
     def _make_grad_hook(self, record: ParamRecord) -> Any:
-        manager = self.manager
+        # weak: the parameter's hook dict is held from C++, out of the garbage collector's sight, so a hook that
+        # held the engine would keep the engine, the chunks and the model alive forever once they are dropped
+        # (a Fabric run is never torn down): [Note: hooks that hold the engine]
+        manager_ref, record_ref = weakref.ref(self.manager), weakref.ref(record)
 
         def grad_hook(param: torch.Tensor) -> None:
             grad = param.grad
-            if grad is None:  # pragma: no cover - autograd calls the hook only after accumulating a gradient
+            manager, record = manager_ref(), record_ref()
+            if grad is None or manager is None or record is None:  # pragma: no cover - (the engine is gone)
                 return
             if _profiling():
                 _traced("pstar::grad_ready", manager.grad_ready, record, grad)
@@ -429,13 +444,18 @@ class ModelHooks:
         an input) is removed at the next training forward, so hooks do not pile up on the leaf.
         """
         fired = -2  # the backward (autograd graph task) it last fired in
+        # weak ([Note: hooks that hold the engine]): ``fn`` lives in the module's own forward hook, which the
+        # collector sees; a tensor's or a node's hooks are held from C++
+        fn_ref = weakref.ref(fn)
 
         def once(*_: Any) -> None:
             nonlocal fired
             task = _graph_task()
             if task != fired:
                 fired = task
-                fn()
+                call = fn_ref()
+                if call is not None:
+                    call()
 
         if inputs:
             for tensor in tensors:

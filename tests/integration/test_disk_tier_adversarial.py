@@ -436,11 +436,6 @@ def test_fabric_save_on_disk_tier_resume_without(tmp_path: Path) -> None:
     assert_states_equal(resumed.state, full.state, what="resumed off the disk tier")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a Fabric run never torn down keeps its disk-tier run directory (and the whole engine) after its "
-    "last reference is dropped and gc runs: the RunDirectory finalizer never fires until interpreter exit",
-)
 def test_fabric_run_directory_goes_with_the_run(tmp_path: Path) -> None:
     """Fabric never tears a strategy down (docs/fabric.md); the run directory's weakref finalizer
     (runtime/run_directory.py) is what removes it once the run is dropped. Two Fabric runs in one process must not

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -445,3 +447,28 @@ def test_save_between_micro_batches_matches_plain(tmp_path: Path) -> None:
     assert_states_close(got_saved["model"], ref_saved["model"], what="model saved mid-accumulation")
     for k, s in ref_saved["optimizer"]["state"].items():
         assert torch.allclose(got_saved["optimizer"]["state"][k]["exp_avg"], s["exp_avg"], rtol=1e-4, atol=1e-7), k
+
+
+@pytest.mark.parametrize("mode", ["off", "pipeline", "next_forward"])
+def test_dropped_run_frees_the_engine_and_the_model(mode: str) -> None:
+    """Fabric never tears its strategy down: once the user drops the run (Fabric, model, optimizer) the next
+    collection must free the engine and the model, as it frees a plain Fabric run's (a notebook or a sweep runs
+    many in one process). The parameters' gradient hooks are held from C++, out of the collector's sight, and
+    once kept the whole engine alive ([Note: hooks that hold the engine] in runtime/hooks.py)."""
+    from lightning_pstar.runtime.manager import ChunkManager
+
+    def live_managers() -> int:
+        return sum(isinstance(o, ChunkManager) for o in gc.get_objects())
+
+    gc.collect()
+    before = live_managers()
+    strategy = PatrickStarFabricStrategy(
+        optimizer_placement="host", optimizer_overlap=mode, chunk_size=4096, device_memory_limit="64MiB"
+    )
+    run = train(LoopSpec(strategy=strategy, steps=3))
+    model = weakref.ref(run.fabric.strategy._manager.module)  # type: ignore[union-attr]
+    assert live_managers() == before + 1
+    del run, strategy
+    gc.collect()
+    assert model() is None, "the model outlived its dropped Fabric run"
+    assert live_managers() == before, "the engine outlived its dropped Fabric run"
