@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader
 from lightning_pstar import PatrickStarStrategy
 from tests.helpers import assert_states_close, assert_states_equal, optimizer_state
 from tests.helpers.data import make_loader
-from tests.helpers.runs import LossRecorder, TinyLM, make_trainer
+from tests.helpers.models import TinyGPT, lm_loss
+from tests.helpers.runs import LM, LossRecorder, make_trainer
 
 HOST = {"optimizer_placement": "host", "chunk_size": 4096}
 MODES = ("off", "pipeline", "next_forward", "auto")
@@ -126,6 +127,24 @@ def check_all_modes(make: Any, **kwargs: Any) -> Run:
     return ref
 
 
+class TinyLM(LM):
+    """:class:`TinyGPT` under fused AdamW with weight decay, with validation and test steps logging their loss and
+    no hook between backward and step (so the engine may step inside the backward)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: TinyGPT())
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = lm_loss(self(batch[0]), batch[1])
+        self.log("val_loss", loss)
+        return loss
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = lm_loss(self(batch[0]), batch[1])
+        self.log("test_loss", loss)
+        return loss
+
+
 # ---- the user's own optimizer_step / optimizer_zero_grad ---------------------------------------------------------
 
 
@@ -175,8 +194,7 @@ class ZeroGradCounter(TinyLM):
 
     def on_before_zero_grad(self, optimizer: Any) -> None:
         self.zero_grad_calls += 1
-        assert self.model is not None
-        self.first_weight.append(float(self.model.lm_head.weight.detach().float().sum()))
+        self.first_weight.append(float(self.net.lm_head.weight.detach().float().sum()))
 
 
 def test_on_before_zero_grad_sees_plain_weights() -> None:
@@ -188,3 +206,192 @@ def test_on_before_zero_grad_sees_plain_weights() -> None:
         assert got.module.zero_grad_calls == ref.module.zero_grad_calls == 4
         torch.testing.assert_close(got.module.first_weight, ref.module.first_weight, rtol=1e-6, atol=1e-6)
         assert_like_plain(got, ref, f"{mode}")
+
+
+# ---- accumulation that changes by epoch ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheduling", [{0: 1, 1: 2, 2: 3}, {0: 3, 1: 1}], ids=["growing", "shrinking"])
+def test_gradient_accumulation_scheduler(scheduling: dict[int, int]) -> None:
+    """``GradientAccumulationScheduler`` changes ``accumulate_grad_batches`` at epoch starts (after setup): the
+    chunks must accumulate from then on (and stop accumulating), as plain Lightning does."""
+    check_all_modes(
+        TinyLM,
+        max_steps=-1,
+        max_epochs=3,
+        callbacks=(GradientAccumulationScheduler(scheduling=scheduling),),
+    )
+
+
+def test_gradient_accumulation_scheduler_bf16_mixed() -> None:
+    """The same in bf16-mixed, where accumulation needs an fp32 gradient-sum chunk that setup (accumulating
+    nothing then) may not have planned: plain bf16-mixed's losses within bf16's rounding, overlap modes bitwise."""
+    sched = {0: 1, 1: 3}
+    kwargs: dict[str, Any] = {"max_steps": -1, "max_epochs": 2, "precision": "bf16-mixed"}
+    ref = run(TinyLM(), None, callbacks=(GradientAccumulationScheduler(scheduling=sched),), **kwargs)
+    serial = run(TinyLM(), "off", callbacks=(GradientAccumulationScheduler(scheduling=sched),), **kwargs)
+    fixed = run(TinyLM(), "off", accumulate_grad_batches=1, **kwargs)
+    assert serial.trainer.global_step == ref.trainer.global_step == 8
+    assert len(serial.losses) == len(ref.losses) == 12
+    for i, (a, b) in enumerate(zip(serial.losses, ref.losses, strict=True)):
+        assert abs(a - b) <= 2e-2 * abs(b), f"batch {i}: patrickstar {a} vs plain bf16-mixed {b}"
+    # the last batches differ from a run that never accumulated by far more than bf16's rounding
+    assert abs(serial.losses[-1] - fixed.losses[-1]) > 4 * abs(serial.losses[-1] - ref.losses[-1])
+    piped = run(TinyLM(), "pipeline", callbacks=(GradientAccumulationScheduler(scheduling=sched),), **kwargs)
+    assert_bitwise(piped, serial, "bf16-mixed pipeline against off")
+
+
+# ---- validation schedules ----------------------------------------------------------------------------------------
+
+
+def val_loader() -> DataLoader:
+    return make_loader(n_seq=16, seed=99)
+
+
+VALIDATION_SCHEDULES: dict[str, dict[str, Any]] = {
+    "float-interval-sanity-all": {
+        "val_check_interval": 0.5,
+        "limit_val_batches": 2,
+        "num_sanity_val_steps": -1,
+        "max_epochs": 2,
+        "max_steps": -1,
+    },
+    "int-interval-across-epochs": {
+        "val_check_interval": 4,
+        "check_val_every_n_epoch": None,
+        "limit_val_batches": 0.5,
+        "max_steps": 10,
+    },
+    "every-2nd-epoch-float-train-limit-no-inference-mode": {
+        "check_val_every_n_epoch": 2,
+        "limit_train_batches": 0.5,
+        "inference_mode": False,
+        "max_epochs": 4,
+        "max_steps": -1,
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(VALIDATION_SCHEDULES))
+def test_validation_schedules(case: str) -> None:
+    """Validation mid-epoch (float and int intervals), every n epochs, under ``inference_mode=False`` and a float
+    ``limit_train_batches``: the same validation losses at the same steps and the same training."""
+    ref = check_all_modes(TinyLM, val=val_loader(), **VALIDATION_SCHEDULES[case])
+    assert ref.val.losses, "no validation ran"
+
+
+# ---- stopping and starting again ---------------------------------------------------------------------------------
+
+
+class LoggingLM(TinyLM):
+    """Logs its training loss as ``train_loss``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_early_stopping_then_fit_again_from_last(tmp_path: Path) -> None:
+    """EarlyStopping ends the first fit after two epochs (``mode="max"`` on a falling val_loss); a new Trainer
+    resumes from ``ckpt_path="last"`` for two more epochs: plain Lightning's run, in both fits."""
+    results = {}
+    for name, mode in (("plain", None), ("off", "off"), ("pipeline", "pipeline")):
+        ckpt_dir = tmp_path / name
+        first = run(
+            LoggingLM(),
+            mode,
+            val=val_loader(),
+            max_steps=-1,
+            max_epochs=10,
+            enable_checkpointing=True,
+            callbacks=(
+                EarlyStopping(monitor="val_loss", mode="max", patience=0),
+                ModelCheckpoint(dirpath=ckpt_dir, save_last=True),
+            ),
+        )
+        assert first.trainer.current_epoch == 2, f"{name}: early stopping did not stop after two epochs"
+        second = run(
+            LoggingLM(),
+            mode,
+            val=val_loader(),
+            max_steps=-1,
+            max_epochs=4,
+            enable_checkpointing=True,
+            callbacks=(ModelCheckpoint(dirpath=ckpt_dir, save_last=True),),
+            ckpt_path="last",
+        )
+        results[name] = (first, second)
+    ref_first, ref_second = results["plain"]
+    assert len(ref_second.losses) == 12 and ref_second.trainer.global_step == 24
+    for name in ("off", "pipeline"):
+        first, second = results[name]
+        assert_like_plain(first, ref_first, f"{name}: first fit")
+        assert_like_plain(second, ref_second, f"{name}: fit resumed from last")
+    assert_bitwise(results["pipeline"][1], results["off"][1], "resumed fit: pipeline against off")
+
+
+def test_resume_from_a_non_last_top_k_checkpoint(tmp_path: Path) -> None:
+    """``ModelCheckpoint(every_n_train_steps=2, save_top_k=2, monitor="train_loss")`` keeps two mid-epoch
+    checkpoints; a new Trainer resumes from the older one: plain Lightning's resumed run."""
+    results = {}
+    for name, mode in (("plain", None), ("off", "off"), ("next_forward", "next_forward")):
+        ckpt_dir = tmp_path / name
+        cb = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=2, monitor="train_loss")
+        run(LoggingLM(), mode, max_steps=8, max_epochs=-1, enable_checkpointing=True, callbacks=(cb,))
+        kept = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: torch.load(p, weights_only=False)["global_step"])
+        assert len(kept) == 2, f"{name}: {kept}"
+        older = kept[0]
+        second = run(LoggingLM(), mode, max_steps=10, max_epochs=-1, ckpt_path=str(older))
+        results[name] = (older.name, second)
+    ref_name, ref = results["plain"]
+    for name in ("off", "next_forward"):
+        got_name, got = results[name]
+        assert got_name == ref_name, f"{name}: kept {got_name}, plain kept {ref_name}"
+        assert_like_plain(got, ref, f"{name}: resumed from {got_name}")
+    assert_bitwise(results["next_forward"][1], results["off"][1], "resumed: next_forward against off")
+
+
+def test_fit_twice_with_the_same_module() -> None:
+    """A second fit of the same module by a new Trainer continues from the weights the first handed back, with a
+    fresh optimizer (plain Lightning); the same Trainer's fit again after ``max_steps`` trains no more."""
+    outcomes = {}
+    for name, mode in (("plain", None), ("off", "off"), ("auto", "auto")):
+        module = TinyLM()
+        first = run(module, mode, max_steps=3)
+        second = run(module, mode, max_steps=4)
+        again = LossRecorder()
+        second.trainer.callbacks.append(again)
+        second.trainer.fit(module, train_dataloaders=make_loader(n_seq=24))
+        weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        outcomes[name] = (first, second, again, weights)
+    ref_first, ref_second, ref_again, ref_weights = outcomes["plain"]
+    assert ref_again.losses == []
+    for name in ("off", "auto"):
+        first, second, again, weights = outcomes[name]
+        assert_like_plain(first, ref_first, f"{name}: first fit")
+        assert_like_plain(second, ref_second, f"{name}: second fit")
+        assert again.losses == [], f"{name}: the same Trainer trained again after max_steps"
+        assert_states_close(weights, ref_weights, what=f"{name}: module after fitting three times", atol=WEIGHT_ATOL)
+
+
+def test_validate_and_test_before_fit_with_the_same_trainer() -> None:
+    """``trainer.validate`` and ``trainer.test`` before ``trainer.fit`` on the same Trainer and module: the same
+    metrics before training, and then plain Lightning's training."""
+    outcomes = {}
+    for name, mode in (("plain", None), ("off", "off"), ("pipeline", "pipeline")):
+        rec, vrec = LossRecorder(), ValRecorder()
+        trainer = make_trainer(strategy=strategy_for(mode), max_steps=5, callbacks=[rec, vrec])
+        module = TinyLM()
+        val = trainer.validate(module, dataloaders=val_loader(), verbose=False)
+        test = trainer.test(module, dataloaders=val_loader(), verbose=False)
+        trainer.fit(module, train_dataloaders=make_loader(n_seq=24), val_dataloaders=val_loader())
+        after = trainer.validate(module, dataloaders=val_loader(), verbose=False)
+        outcomes[name] = (val, test, after, Run(module, trainer, rec, vrec))
+    ref_val, ref_test, ref_after, ref = outcomes["plain"]
+    for name in ("off", "pipeline"):
+        val, test, after, got = outcomes[name]
+        for mine, theirs, what in ((val, ref_val, "validate"), (test, ref_test, "test"), (after, ref_after, "after")):
+            for key, value in theirs[0].items():
+                assert abs(mine[0][key] - value) <= RTOL * abs(value), f"{name}: {what} {key}: {mine} vs {theirs}"
+        assert_like_plain(got, ref, f"{name}: fit after validate and test")
