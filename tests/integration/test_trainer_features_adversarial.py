@@ -688,3 +688,94 @@ def test_max_time_zero_trains_nothing() -> None:
     result = run(module, "pipeline", max_steps=-1, max_epochs=3, max_time={"seconds": 0})
     assert result.trainer.global_step == 0
     assert_states_equal({k: v.detach() for k, v in module.state_dict().items()}, before, what="untouched module")
+
+
+# ---- the same Trainer fitted again, manual loops that keep gradients, a device budget ------------------------------
+
+
+def test_same_trainer_fitted_again_for_more_epochs() -> None:
+    """One epoch, then the same Trainer (and strategy object) fits the same module again with ``max_epochs``
+    raised: Lightning reconfigures the optimizer and trains one more epoch from the handed-back weights."""
+    outcomes = {}
+    for name, mode in (("plain", None), ("off", "off"), ("pipeline", "pipeline")):
+        rec = LossRecorder()
+        module = TinyLM()
+        trainer = make_trainer(strategy=strategy_for(mode), max_steps=-1, max_epochs=1, callbacks=[rec])
+        trainer.fit(module, train_dataloaders=make_loader(n_seq=24))
+        trainer.fit_loop.max_epochs = 2
+        trainer.fit(module, train_dataloaders=make_loader(n_seq=24))
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        outcomes[name] = (rec.losses, state, trainer.global_step)
+    ref_losses, ref_state, ref_steps = outcomes["plain"]
+    assert ref_steps == 12 and len(ref_losses) == 12
+    for name in ("off", "pipeline"):
+        losses, state, steps = outcomes[name]
+        assert steps == ref_steps
+        for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+            assert abs(a - b) <= RTOL * abs(b), f"{name}: batch {i}: {a} vs plain {b}"
+        assert_states_close(state, ref_state, what=name, atol=WEIGHT_ATOL)
+    assert outcomes["pipeline"][0] == outcomes["off"][0]
+
+
+class ManualNoZeroLM(TinyLM):
+    """Manual optimization that zeroes gradients only every ``zero_every`` steps: plain torch sums the gradients
+    of the steps in between (the documented torch semantics of not calling ``zero_grad``)."""
+
+    def __init__(self, zero_every: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.zero_every = zero_every
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        if batch_idx % self.zero_every == 0:
+            opt.zero_grad()
+        loss = lm_loss(self(batch[0]), batch[1])
+        self.manual_backward(loss)
+        opt.step()
+        return loss.detach()
+
+
+def test_manual_zero_grad_before_backward() -> None:
+    """The common manual idiom ``zero_grad(); manual_backward(loss); step()``: plain Lightning's run."""
+    check_all_modes(lambda: ManualNoZeroLM(1), max_steps=5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: ChunkedOptimizer.step zeroes the gradients itself (optim/optimizer.py _step), so manual loops that"
+    " step without zero_grad silently lose the gradient sum plain torch keeps",
+)
+def test_manual_step_without_zero_grad_keeps_gradients() -> None:
+    check_all_modes(lambda: ManualNoZeroLM(2), max_steps=5)
+
+
+BUDGET = {"placement": "auto", "device_memory_limit": "600KiB", "chunk_size": 2048}
+
+
+def test_accumulation_scheduler_and_mid_epoch_validation_under_a_device_budget() -> None:
+    """Chunks evicted and prefetched (auto placement under a device budget) while the accumulation changes by
+    epoch and validation runs mid-epoch (sanity check over every batch first)."""
+    peek = ReportPeek()
+    check_all_modes(
+        TinyLM,
+        val=val_loader(),
+        max_steps=-1,
+        max_epochs=2,
+        val_check_interval=0.5,
+        limit_val_batches=2,
+        num_sanity_val_steps=-1,
+        callbacks=(GradientAccumulationScheduler(scheduling={0: 1, 1: 2}), peek),
+        strategy_options=BUDGET,
+    )
+    assert peek.report is not None and peek.report.evictions > 0, peek.report
+
+
+class ReportPeek(L.Callback):
+    """The last PatrickStar run's memory report at train end."""
+
+    report: Any = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if isinstance(trainer.strategy, PatrickStarStrategy):
+            self.report = trainer.strategy.memory_report()
