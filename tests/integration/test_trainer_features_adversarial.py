@@ -779,3 +779,41 @@ class ReportPeek(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         if isinstance(trainer.strategy, PatrickStarStrategy):
             self.report = trainer.strategy.memory_report()
+
+
+# ---- accumulation windows cut by the epoch's end or by validation -------------------------------------------------
+
+
+def test_accumulation_window_cut_by_the_epoch_end() -> None:
+    """6 batches an epoch (4 with ``limit_train_batches=4``... here 5 of 6) and ``accumulate_grad_batches=3``: the
+    last window of every epoch is short and Lightning steps at its end anyway."""
+    check_all_modes(TinyLM, max_steps=-1, max_epochs=2, accumulate_grad_batches=3, limit_train_batches=5)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_validation_inside_an_accumulation_window(precision: str) -> None:
+    """``val_check_interval=3`` with ``accumulate_grad_batches=2``: validation runs after batch 3, between the two
+    micro-batches of a window, while the first one's gradients wait in the chunks. Validation must read the
+    weights (not gradients), and the window's step must still sum both micro-batches."""
+    kwargs: dict[str, Any] = {
+        "val": val_loader(),
+        "max_steps": -1,
+        "max_epochs": 2,
+        "accumulate_grad_batches": 2,
+        "val_check_interval": 3,
+        "limit_val_batches": 2,
+        "precision": precision,
+    }
+    if precision == "32-true":
+        ref = check_all_modes(TinyLM, **kwargs)
+        assert len(ref.val.losses) == 8
+        return
+    ref = run(TinyLM(), None, **kwargs)
+    serial = run(TinyLM(), "off", **kwargs)
+    assert [v[:2] for v in serial.val.losses] == [v[:2] for v in ref.val.losses]
+    for i, (a, b) in enumerate(zip(serial.val.losses, ref.val.losses, strict=True)):
+        assert abs(a[2] - b[2]) <= 2e-2 * abs(b[2]), f"val batch {i}: patrickstar {a} vs plain bf16-mixed {b}"
+    for i, (a, b) in enumerate(zip(serial.losses, ref.losses, strict=True)):
+        assert abs(a - b) <= 2e-2 * abs(b), f"batch {i}: patrickstar {a} vs plain bf16-mixed {b}"
+    for mode in MODES[1:]:
+        assert_bitwise(run(TinyLM(), mode, **kwargs), serial, f"bf16-mixed {mode} against off")
