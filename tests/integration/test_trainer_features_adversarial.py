@@ -817,3 +817,64 @@ def test_validation_inside_an_accumulation_window(precision: str) -> None:
         assert abs(a - b) <= 2e-2 * abs(b), f"batch {i}: patrickstar {a} vs plain bf16-mixed {b}"
     for mode in MODES[1:]:
         assert_bitwise(run(TinyLM(), mode, **kwargs), serial, f"bf16-mixed {mode} against off")
+
+
+class WeightsAfterBackward(L.Callback):
+    """Sums every parameter the LightningModule exposes in ``on_after_backward`` (a callback reading weights
+    between the backward and the step: the engine must not have stepped inside the backward)."""
+
+    def __init__(self) -> None:
+        self.sums: list[float] = []
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.sums.append(sum(float(p.detach().double().sum()) for p in pl_module.parameters()))
+
+
+def test_callback_reading_weights_after_backward() -> None:
+    outcomes = {}
+    for name, mode in (("plain", None), *((m, m) for m in MODES)):
+        cb = WeightsAfterBackward()
+        outcomes[name] = (run(TinyLM(), mode, max_steps=5, accumulate_grad_batches=2, callbacks=(cb,)), cb.sums)
+    ref, ref_sums = outcomes["plain"]
+    assert len(ref_sums) == 10
+    for name in MODES:
+        got, sums = outcomes[name]
+        assert_like_plain(got, ref, name)
+        torch.testing.assert_close(sums, ref_sums, rtol=1e-6, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        assert_bitwise(got, outcomes["off"][0], f"{name} against off")
+
+
+class SaveMidWindow(L.Callback):
+    """``trainer.save_checkpoint`` after batch 3 (inside an accumulation window of 2)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.current_epoch == 0 and batch_idx == 2:
+            trainer.save_checkpoint(self.path)
+
+
+def test_checkpoint_saved_inside_an_accumulation_window_and_resumed(tmp_path: Path) -> None:
+    """A checkpoint saved between two micro-batches of a window (gradients waiting in the chunks) holds the weights
+    and optimizer state of the last step, as plain Lightning's does, and resuming from it runs as plain resumes."""
+    outcomes = {}
+    for name, mode in (("plain", None), ("off", "off"), ("pipeline", "pipeline")):
+        path = tmp_path / f"{name}.ckpt"
+        run(TinyLM(), mode, max_steps=6, accumulate_grad_batches=2, callbacks=(SaveMidWindow(path),))
+        saved = torch.load(path, weights_only=False)
+        resumed = run(TinyLM(), mode, max_steps=6, accumulate_grad_batches=2, ckpt_path=str(path))
+        outcomes[name] = (saved, resumed)
+    ref_saved, ref = outcomes["plain"]
+    assert ref_saved["global_step"] == 1
+    for name in ("off", "pipeline"):
+        saved, resumed = outcomes[name]
+        assert saved["global_step"] == ref_saved["global_step"]
+        assert_states_close(saved["state_dict"], ref_saved["state_dict"], what=f"{name}: saved weights", atol=1e-6)
+        mine = saved["optimizer_states"][0]["state"]
+        theirs = ref_saved["optimizer_states"][0]["state"]
+        assert sorted(mine) == sorted(theirs)
+        for i in theirs:
+            for k in theirs[i]:
+                torch.testing.assert_close(mine[i][k], theirs[i][k], rtol=1e-5, atol=1e-7)
+        assert_like_plain(resumed, ref, f"{name}: resumed")
