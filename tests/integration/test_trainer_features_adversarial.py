@@ -878,3 +878,49 @@ def test_checkpoint_saved_inside_an_accumulation_window_and_resumed(tmp_path: Pa
             for k in theirs[i]:
                 torch.testing.assert_close(mine[i][k], theirs[i][k], rtol=1e-5, atol=1e-7)
         assert_like_plain(resumed, ref, f"{name}: resumed")
+
+
+# ---- user code that reads or changes p.grad between backward and step ---------------------------------------------
+
+
+class OwnClippingLM(TinyLM):
+    """``configure_gradient_clipping`` overridden with torch's own ``clip_grad_norm_`` over the module's parameters
+    (a common way to clip a subset, or with a norm type Lightning does not offer). SGD, so clipping shows."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9, fused=True)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **kwargs: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm=0.01)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: p.grad is None under patrickstar, so torch.nn.utils.clip_grad_norm_ in a configure_gradient_clipping"
+    " override clips nothing and training silently differs from plain Lightning (no error)",
+)
+def test_configure_gradient_clipping_override_with_torch_clip() -> None:
+    ref = run(OwnClippingLM(), None, max_steps=4)
+    got = run(OwnClippingLM(), "off", max_steps=4)
+    assert_like_plain(got, ref, "torch clip_grad_norm_ in configure_gradient_clipping")
+
+
+class FreezeByGradLM(TinyLM):
+    """Zeroes the gradient of the position embedding in ``on_before_optimizer_step`` (guarded by ``is not None``,
+    as Lightning's own utilities are): only weight decay moves it then."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        grad = self.net.wpe.weight.grad
+        if grad is not None:
+            grad.zero_()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: p.grad is None in on_before_optimizer_step under patrickstar, so a hook that edits gradients is"
+    " silently a no-op (wpe trained as if the hook did nothing) instead of refused",
+)
+def test_gradient_edited_in_on_before_optimizer_step() -> None:
+    ref = run(FreezeByGradLM(), None, max_steps=4)
+    got = run(FreezeByGradLM(), "off", max_steps=4)
+    assert_like_plain(got, ref, "gradient zeroed in on_before_optimizer_step")
