@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader
 
 from lightning_pstar import PatrickStarStrategy
-from tests.helpers import assert_states_close, assert_states_equal, optimizer_state
+from tests.helpers import assert_states_close, assert_states_equal
 from tests.helpers.data import make_loader
 from tests.helpers.models import TinyGPT, lm_loss
 from tests.helpers.runs import LM, LossRecorder, make_trainer
@@ -650,7 +650,10 @@ def test_reload_dataloaders_every_epoch() -> None:
         rec = LossRecorder()
         module = ReloadingLM()
         trainer = make_trainer(
-            strategy=strategy_for(mode), max_steps=-1, max_epochs=3, reload_dataloaders_every_n_epochs=1,
+            strategy=strategy_for(mode),
+            max_steps=-1,
+            max_epochs=3,
+            reload_dataloaders_every_n_epochs=1,
             callbacks=[rec],
         )
         trainer.fit(module)
@@ -1018,3 +1021,41 @@ def test_predict_before_fit_with_the_same_trainer() -> None:
         torch.testing.assert_close(after, ref_after, rtol=1e-5, atol=1e-5)
         for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) <= RTOL * abs(b), f"{name}: batch {i}: {a} vs plain {b}"
+
+
+@pytest.mark.parametrize("plateau", [False, True], ids=["step-lr-every-2nd-step", "plateau-on-val-loss"])
+def test_resume_at_an_epoch_boundary(plateau: bool, tmp_path: Path) -> None:
+    """Resume from a checkpoint saved at an epoch's end, with an accumulation that changes by epoch and an LR
+    schedule in the checkpoint, under pipeline and next_forward: plain Lightning's resumed run; and with the
+    StepLR, where plain Lightning keeps its promise, bitwise one longer fit. (With ReduceLROnPlateau plain
+    Lightning's own resume differs from its longer fit: the epoch-end checkpoint is written before the plateau
+    scheduler steps.)"""
+
+    def callbacks(*extra: L.Callback) -> tuple[L.Callback, ...]:
+        return (GradientAccumulationScheduler(scheduling={0: 1, 1: 2, 2: 3}), *extra)
+
+    def both(mode: str | None) -> tuple[Run, Run]:
+        longer = run(SchedulersLM(plateau), mode, max_epochs=3, callbacks=callbacks(), **kwargs)
+        folder = tmp_path / str(mode)
+        ckpt = ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_epochs=1)
+        run(SchedulersLM(plateau), mode, max_epochs=2, enable_checkpointing=True, callbacks=callbacks(ckpt), **kwargs)
+        path = folder / "epoch=1-step=9.ckpt"
+        assert path.exists(), sorted(p.name for p in folder.iterdir())
+        resumed = run(SchedulersLM(plateau), mode, max_epochs=3, callbacks=callbacks(), ckpt_path=str(path), **kwargs)
+        return longer, resumed
+
+    kwargs: dict[str, Any] = {"val": val_loader(), "limit_val_batches": 2, "max_steps": -1}
+    plain_longer, plain_resumed = both(None)
+    assert len(plain_resumed.losses) == 6
+    promise = plain_resumed.losses == plain_longer.losses[-6:]
+    assert promise == (not plateau), "plain Lightning's own resume changed behaviour"
+    for mode in ("pipeline", "next_forward"):
+        longer, resumed = both(mode)
+        assert_like_plain(longer, plain_longer, f"{mode}: three epochs")
+        assert_like_plain(resumed, plain_resumed, f"{mode}: resumed")
+        assert resumed.rec.lrs == plain_resumed.rec.lrs, f"{mode}: learning rates after the resume"
+        if promise:
+            assert resumed.losses == longer.losses[-6:], f"{mode}: resumed losses against one longer fit"
+            assert resumed.val.losses == longer.val.losses[-len(resumed.val.losses) :]
+            assert_states_equal(resumed.final, longer.final, what=f"{mode}: resumed against one longer fit")
+            assert_states_equal(resumed.optim(), longer.optim(), what=f"{mode}: optimizer states")
