@@ -1059,3 +1059,57 @@ def test_resume_at_an_epoch_boundary(plateau: bool, tmp_path: Path) -> None:
             assert resumed.val.losses == longer.val.losses[-len(resumed.val.losses) :]
             assert_states_equal(resumed.final, longer.final, what=f"{mode}: resumed against one longer fit")
             assert_states_equal(resumed.optim(), longer.optim(), what=f"{mode}: optimizer states")
+
+
+# ---- hyperparameters changed while training ------------------------------------------------------------------------
+
+
+class OneCycleLM(TinyLM):
+    """OneCycleLR stepped every step with ``cycle_momentum=True``: it changes AdamW's ``betas[0]`` every step."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=8, cycle_momentum=True)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_one_cycle_schedule_cycling_betas() -> None:
+    ref = check_all_modes(OneCycleLM, max_steps=8)
+    assert len(set(ref.rec.lrs)) > 4
+
+
+class ChangeHyperparameters(L.Callback):
+    """At epoch 1: weight decay and betas of the user's optimizer changed by hand, and the position embedding
+    frozen (``requires_grad=False``: no gradient, so AdamW leaves it alone from then on)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            for group in trainer.optimizers[0].param_groups:
+                group["weight_decay"] = 0.5
+                group["betas"] = (0.8, 0.99)
+            pl_module.net.wpe.weight.requires_grad_(False)
+
+
+def test_hyperparameters_and_freezing_changed_by_a_callback() -> None:
+    ref = check_all_modes(
+        TinyLM, modes=("pipeline", "auto"), max_steps=-1, max_epochs=2, callbacks=(ChangeHyperparameters(),)
+    )
+    assert len(ref.losses) == 12
+
+
+class FreezeAtEpoch1(L.Callback):
+    """``requires_grad_(False)`` on the position embedding at the start of epoch 1 (a mid-run freeze)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.net.wpe.weight.requires_grad_(False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: under next_forward, requires_grad_(False) on a parameter whose step is in flight raises"
+    " ParkedParameterError ('a parameter was read (TensorBase.requires_grad_)'), though it reads no value"
+    " (runtime/parked.py _METADATA); off/pipeline/auto match plain Lightning",
+)
+def test_freezing_in_a_callback_next_forward() -> None:
+    check_all_modes(TinyLM, modes=("next_forward",), max_steps=-1, max_epochs=2, callbacks=(FreezeAtEpoch1(),))
