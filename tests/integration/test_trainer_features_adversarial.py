@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader
 
 from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.runtime.parked import ParkedParameterError
 from tests.helpers import assert_states_close, assert_states_equal
 from tests.helpers.data import make_loader
 from tests.helpers.models import TinyGPT, lm_loss
@@ -1113,3 +1114,31 @@ class FreezeAtEpoch1(L.Callback):
 )
 def test_freezing_in_a_callback_next_forward() -> None:
     check_all_modes(TinyLM, modes=("next_forward",), max_steps=-1, max_epochs=2, callbacks=(FreezeAtEpoch1(),))
+
+
+class ClampAfterStepLM(TinyLM):
+    """WGAN-style weight clipping: ``optimizer_step`` steps, then clamps every weight in place (32-true)."""
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.clamp_(-0.05, 0.05)
+
+
+def test_weights_clamped_after_the_step_32_true() -> None:
+    """The clamp is part of the arithmetic: the next step must start from the clamped weights, on the host
+    optimizer's side too."""
+    ref = check_all_modes(ClampAfterStepLM, modes=("pipeline", "auto"), max_steps=5)
+    assert all(float(p.detach().abs().max()) <= float(torch.tensor(0.05)) for p in ref.module.parameters())
+
+
+def test_weights_clamped_after_the_step_next_forward_is_refused() -> None:
+    """Under the opt-in ``next_forward`` the step's tail still runs when ``optimizer.step()`` returns, so the clamp
+    (a write outside any module's forward) is refused with the error the docs promise, naming the operation and
+    the mode that allows it, at the first step."""
+    rec = LossRecorder()
+    trainer = make_trainer(strategy=strategy_for("next_forward"), max_steps=5, callbacks=[rec])
+    with pytest.raises(ParkedParameterError, match=r"clamp_.*HINT: .*optimizer_overlap='auto'"):
+        trainer.fit(ClampAfterStepLM(), train_dataloaders=make_loader(n_seq=24))
+    assert rec.losses == []
