@@ -1142,3 +1142,39 @@ def test_weights_clamped_after_the_step_next_forward_is_refused() -> None:
     with pytest.raises(ParkedParameterError, match=r"clamp_.*HINT: .*optimizer_overlap='auto'"):
         trainer.fit(ClampAfterStepLM(), train_dataloaders=make_loader(n_seq=24))
     assert rec.losses == []
+
+
+# ---- a no-grad forward of the same net inside the training step; Trainer switches around the loop ----------------
+
+
+class SelfDistillLM(TinyLM):
+    """Each training step first runs the net under ``torch.no_grad()`` on the shifted batch (a target), then with
+    grad: loss = next-token cross entropy + 0.5 * MSE to the no-grad logits."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        with torch.no_grad():
+            target = self(y)
+        logits = self(x)
+        return lm_loss(logits, y) + 0.5 * torch.nn.functional.mse_loss(logits, target)
+
+
+@pytest.mark.parametrize("budget", ["unlimited", "evicting"])
+def test_no_grad_forward_inside_the_training_step(budget: str) -> None:
+    peek = ReportPeek()
+    check_all_modes(
+        SelfDistillLM,
+        max_steps=5,
+        accumulate_grad_batches=2,
+        callbacks=(peek,),
+        strategy_options=BUDGET if budget == "evicting" else None,
+    )
+    if budget == "evicting":
+        assert peek.report is not None and peek.report.evictions > 0
+
+
+@pytest.mark.parametrize("switch", ["deterministic", "simple-profiler"])
+def test_trainer_switches_around_the_loop(switch: str) -> None:
+    """``deterministic=True`` (torch's deterministic algorithms) and Lightning's SimpleProfiler around every hook."""
+    kwargs: dict[str, Any] = {"deterministic": True} if switch == "deterministic" else {"profiler": "simple"}
+    check_all_modes(TinyLM, val=val_loader(), limit_val_batches=2, max_steps=-1, max_epochs=1, **kwargs)
