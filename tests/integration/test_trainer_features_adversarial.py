@@ -1178,3 +1178,15 @@ def test_trainer_switches_around_the_loop(switch: str) -> None:
     """``deterministic=True`` (torch's deterministic algorithms) and Lightning's SimpleProfiler around every hook."""
     kwargs: dict[str, Any] = {"deterministic": True} if switch == "deterministic" else {"profiler": "simple"}
     check_all_modes(TinyLM, val=val_loader(), limit_val_batches=2, max_steps=-1, max_epochs=1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "debug",
+    [{"fast_dev_run": 3}, {"overfit_batches": 2, "max_epochs": 3}, {"limit_train_batches": 0.34, "max_epochs": 3}],
+    ids=["fast-dev-run-3", "overfit-2-batches", "a-third-of-the-batches"],
+)
+def test_debugging_switches(debug: dict[str, Any]) -> None:
+    """Lightning's debugging runs: ``fast_dev_run`` (a few batches of training and validation, no limits asked),
+    ``overfit_batches`` (the same first batches every epoch, validated on too) and a float batch limit."""
+    ref = check_all_modes(TinyLM, val=val_loader(), max_steps=-1, **debug)
+    assert ref.val.losses and ref.losses
