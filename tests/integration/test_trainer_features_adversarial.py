@@ -1223,3 +1223,31 @@ def test_adam_state_read_through_optimizer_state_during_training() -> None:
     torch.testing.assert_close(got.by_state_dict, ref.by_state_dict, rtol=1e-5, atol=0)
     assert None not in ref.by_param
     torch.testing.assert_close(got.by_param, ref.by_param, rtol=1e-5, atol=0)
+
+
+def test_weights_only_checkpoints(tmp_path: Path) -> None:
+    """``ModelCheckpoint(save_weights_only=True)``: the file holds plain Lightning's weights (loadable by
+    ``load_from_checkpoint``), and resuming a fit from it is refused as plain Lightning refuses it, before training."""
+    saved = {}
+    for name, mode in (("plain", None), ("pipeline", "pipeline")):
+        folder = tmp_path / name
+        cb = ModelCheckpoint(dirpath=folder, save_weights_only=True, every_n_train_steps=2, save_top_k=-1)
+        run(TinyLM(), mode, max_steps=4, enable_checkpointing=True, callbacks=(cb,))
+        saved[name] = sorted(p.name for p in folder.glob("*.ckpt"))
+        assert saved[name] == saved["plain"]
+        for file in saved[name]:
+            ckpt = torch.load(folder / file, weights_only=False)
+            assert "optimizer_states" not in ckpt
+            loaded = TinyLM.load_from_checkpoint(folder / file)
+            plain = TinyLM.load_from_checkpoint(tmp_path / "plain" / file)
+            assert_states_close(loaded.state_dict(), plain.state_dict(), what=f"{name}: {file}", atol=WEIGHT_ATOL)
+    last = tmp_path / "plain" / saved["plain"][-1]
+    errors = {}
+    for name, mode in (("plain", None), ("pipeline", "pipeline")):
+        rec = LossRecorder()
+        trainer = make_trainer(strategy=strategy_for(mode), max_steps=6, callbacks=[rec])
+        with pytest.raises(KeyError, match="contains only the model") as err:
+            trainer.fit(TinyLM(), train_dataloaders=make_loader(n_seq=24), ckpt_path=str(last))
+        errors[name] = err.value
+        assert rec.losses == [], f"{name}: trained before refusing"
+    assert type(errors["pipeline"]) is type(errors["plain"]), errors
