@@ -1,0 +1,670 @@
+"""Adversarial parity runs with torch.nn's own module zoo: models the team did not write.
+
+Every model maps token ids (B, T) to logits (B, T, VOCAB) and trains under :class:`~tests.helpers.runs.LM`
+(fused AdamW) on :func:`~tests.helpers.data.make_loader`'s sequences. Each one runs in three placements against
+plain Lightning (``strategy="auto"``, CPU, the same seed and data):
+
+- ``default``: ``PatrickStarStrategy()``;
+- ``tight``: small chunks under ``placement="static"`` and a device budget of a few chunks, so chunks are evicted
+  to HOST and fetched back inside the iteration (checked: ``evictions > 0``);
+- ``host``: every optimizer family on the host, ``optimizer_overlap`` "off", "pipeline" and "next_forward": the
+  three bit for bit equal (losses, weights, optimizer states), and "off" equal to plain Lightning.
+
+32-true: every loss within 1e-6 relative of plain Lightning's and the final state (weights and buffers) close.
+bf16-mixed (a subset): losses within bf16 tolerance of plain bf16-mixed, overlap modes bit for bit.
+A pattern the engine cannot support must be refused with a clear error naming it instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrizations, parametrize
+from torch.utils.checkpoint import checkpoint
+
+from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.runtime.parked import ParkedParameterError
+from tests.helpers.asserts import assert_runs_bitwise, assert_states_close
+from tests.helpers.data import make_loader
+from tests.helpers.models import SEED, VOCAB
+from tests.helpers.runs import LM, FitResult, fit_steps, make_trainer
+
+E = 16  # embedding width of every zoo model
+STEPS = 4
+LOSS_RTOL = 1e-6
+BF16_RTOL = 2e-2
+
+# --------------------------------------------------------------------------------------------------
+# The zoo
+# --------------------------------------------------------------------------------------------------
+
+
+class RNNLM(nn.Module):
+    """Embedding, a 2-layer bidirectional LSTM/GRU (flat weights), head."""
+
+    def __init__(self, cell: type[nn.Module], batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.wte = nn.Embedding(VOCAB, E)
+        self.rnn = cell(E, E, num_layers=2, bidirectional=True, batch_first=batch_first)
+        self.head = nn.Linear(2 * E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        y, _ = self.rnn(x)
+        if not self.batch_first:
+            y = y.transpose(0, 1)
+        return self.head(y)
+
+
+def causal(t: int) -> torch.Tensor:
+    return torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+
+
+class MHAKdimLM(nn.Module):
+    """Cross attention with kdim/vdim != embed_dim (separate q/k/v projection weights, no in_proj_weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.kproj = nn.Linear(E, 8)
+        self.vproj = nn.Linear(E, 12)
+        self.attn = nn.MultiheadAttention(E, 2, batch_first=True, kdim=8, vdim=12, bias=True, add_bias_kv=True)
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        # add_bias_kv appends one key (and pads the mask itself)
+        y, _ = self.attn(x, self.kproj(x), self.vproj(x), attn_mask=causal(idx.shape[1]), need_weights=True)
+        return self.head(x + y)
+
+
+class MHASeqFirstLM(nn.Module):
+    """Self attention, sequence first, in_proj_weight read by F.multi_head_attention_forward, weights returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.attn = nn.MultiheadAttention(E, 4, batch_first=False)
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx).transpose(0, 1)  # (T, B, E)
+        y, w = self.attn(x, x, x, attn_mask=causal(idx.shape[1]), average_attn_weights=True)
+        return self.head((x + y).transpose(0, 1)) + w.sum(-1, keepdim=True)
+
+
+class TransformerLM(nn.Module):
+    """nn.Transformer (norm_first, encoder and decoder, batch_first) decoding the sequence against itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.tf = nn.Transformer(
+            d_model=E,
+            nhead=2,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=32,
+            dropout=0.0,
+            batch_first=True,
+            norm_first=True,
+        )
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        mask = causal(idx.shape[1])
+        return self.head(self.tf(x, x, src_mask=mask, tgt_mask=mask, memory_mask=mask))
+
+
+class EncoderLM(nn.Module):
+    """nn.TransformerEncoder (post-norm, 2 layers, final norm): in eval without grad torch takes its fast path
+    (``torch._transformer_encoder_layer_fwd`` reads every weight of the layer's children directly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        layer = nn.TransformerEncoderLayer(E, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, num_layers=2, norm=nn.LayerNorm(E), enable_nested_tensor=False)
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.wte(idx)))
+
+
+class CNNLM(nn.Module):
+    """The embedded sequence as a 1-channel image: Conv2d, BatchNorm2d, GroupNorm, Dropout, ConvTranspose2d."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.gn = nn.GroupNorm(2, 4)
+        self.drop = nn.Dropout(dropout)
+        self.down = nn.Conv2d(4, 4, 2, stride=2)
+        self.up = nn.ConvTranspose2d(4, 2, 2, stride=2)
+        self.head = nn.Linear(2 * E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        x = self.wte(idx).unsqueeze(1)  # (B, 1, T, E)
+        x = self.drop(F.relu(self.gn(self.bn(self.conv(x)))))
+        x = self.up(F.relu(self.down(x)))  # (B, 2, T, E)
+        return self.head(x.permute(0, 2, 1, 3).reshape(b, t, 2 * E))
+
+
+class Conv1dLM(nn.Module):
+    """Causal grouped Conv1d, PReLU (one slope per channel), dilated Conv1d, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.c1 = nn.Conv1d(E, E, 3, groups=2)
+        self.act = nn.PReLU(E)
+        self.c2 = nn.Conv1d(E, E, 2, dilation=2)
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx).transpose(1, 2)  # (B, E, T)
+        x = self.act(self.c1(F.pad(x, (2, 0))))
+        x = self.c2(F.pad(x, (2, 0)))
+        return self.head(x.transpose(1, 2))
+
+
+class BagLM(nn.Module):
+    """EmbeddingBag(mode="sum") over each position's window of 3 tokens (with fp32 per-sample weights if
+    ``weighted``); PReLU; Bilinear of the bag and the plain embedding (padding_idx)."""
+
+    def __init__(self, weighted: bool = False) -> None:
+        super().__init__()
+        self.weighted = weighted
+        self.bag = nn.EmbeddingBag(VOCAB, E, mode="sum")
+        self.wte = nn.Embedding(VOCAB, E, padding_idx=0)
+        self.act = nn.PReLU()
+        self.bil = nn.Bilinear(E, E, E)
+        self.head = nn.Linear(E, VOCAB)
+        self.register_buffer("window_w", torch.tensor([0.25, 0.5, 1.0]))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        padded = F.pad(idx, (2, 0))
+        windows = padded.unfold(1, 3, 1).reshape(b * t, 3)  # (B*T, 3)
+        weights = self.window_w.expand(b * t, 3).contiguous() if self.weighted else None
+        bag = self.bag(windows, per_sample_weights=weights)
+        x = self.act(self.bil(bag.view(b, t, E), self.wte(idx)))
+        return self.head(x)
+
+
+class RenormLM(nn.Module):
+    """nn.Embedding(padding_idx, max_norm): the looked-up rows are renormalised in place inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E, padding_idx=3, max_norm=0.5, norm_type=2.0)
+        self.mid = nn.Linear(E, E)
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.wte(idx))))
+
+
+class Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).transpose(0, 1)
+
+
+class ScaledSkew(nn.Module):
+    """A parametrization with a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return self.scale * (w - w.transpose(0, 1)) + torch.eye(w.shape[0])
+
+
+class ParamLM(nn.Module):
+    """orthogonal, a custom Symmetric parametrization and one with its own parameter, and (if ``spectral``)
+    spectral_norm (power-iteration buffers u, v updated in place in every training forward): every weight is
+    computed from parametrization params."""
+
+    def __init__(self, spectral: bool = False) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.sn = parametrizations.spectral_norm(nn.Linear(E, E)) if spectral else nn.Linear(E, E)
+        # cayley: the default map (matrix_exp) has its own test in bf16-mixed below
+        self.orth = parametrizations.orthogonal(nn.Linear(E, E), orthogonal_map="cayley")
+        self.sym = nn.Linear(E, E)
+        parametrize.register_parametrization(self.sym, "weight", Symmetric())
+        self.skew = nn.Linear(E, E)
+        parametrize.register_parametrization(self.skew, "weight", ScaledSkew())
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        x = torch.tanh(self.sn(x))
+        x = torch.tanh(self.orth(x))
+        x = torch.tanh(self.sym(x))
+        x = torch.tanh(self.skew(x))
+        return self.head(x)
+
+
+class SiblingHead(nn.Module):
+    """Reads another module's weight (not a child: a plain list hides it from the module tree)."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.other = [emb]
+        self.bias = nn.Parameter(torch.zeros(VOCAB))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.other[0].weight, self.bias)
+
+
+class Stateful(nn.Module):
+    """A running mean of its input, a float buffer updated in place in every training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running", torch.zeros(E))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(x.detach().mean(dim=(0, 1)), alpha=0.1)
+                self.count += 1
+        return x - self.running
+
+
+class OddLM(nn.Module):
+    """Identity and empty modules, a parameterless module with a buffer updated in forward, a ParameterList and a
+    ParameterDict used by the parent's forward, and a head that reads the embedding's weight (tied by use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.ident = nn.Identity()
+        self.empty = nn.Sequential()
+        self.state = Stateful()
+        self.plist = nn.ParameterList([nn.Parameter(torch.randn(E, E) / 4) for _ in range(2)])
+        self.pdict = nn.ParameterDict({"gain": nn.Parameter(torch.ones(E)), "shift": nn.Parameter(torch.zeros(E))})
+        self.mid = nn.Linear(E, E)
+        self.head = SiblingHead(self.wte)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.empty(self.ident(self.wte(idx)))
+        x = self.state(x)
+        for w in self.plist:
+            x = torch.tanh(x @ w)
+        x = x * self.pdict["gain"] + self.pdict["shift"]
+        return self.head(self.mid(x))
+
+
+class CheckpointedRNNLM(nn.Module):
+    """torch.utils.checkpoint (use_reentrant=False) around an LSTM and an attention block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.rnn = nn.LSTM(E, E, num_layers=2, batch_first=True)
+        self.attn = nn.MultiheadAttention(E, 2, batch_first=True)
+        self.head = nn.Linear(E, VOCAB)
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(x)
+        z, _ = self.attn(y, y, y, attn_mask=causal(x.shape[1]), need_weights=False)
+        return y + z
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(self._block, self.wte(idx), use_reentrant=False)
+        return self.head(x)
+
+
+ZOO: dict[str, Callable[[], nn.Module]] = {
+    "lstm": lambda: RNNLM(nn.LSTM, batch_first=True),
+    "gru": lambda: RNNLM(nn.GRU, batch_first=False),
+    "mha_kdim": MHAKdimLM,
+    "mha_seq_first": MHASeqFirstLM,
+    "transformer": TransformerLM,
+    "encoder": EncoderLM,
+    "cnn": CNNLM,
+    "cnn_dropout": lambda: CNNLM(dropout=0.2),
+    "conv1d_prelu": Conv1dLM,
+    "bag_bilinear": BagLM,
+    "bag_weighted": lambda: BagLM(weighted=True),
+    "embedding_renorm": RenormLM,
+    "parametrized": ParamLM,
+    "spectral_norm": lambda: ParamLM(spectral=True),
+    "odd_modules": OddLM,
+    "checkpointed": CheckpointedRNNLM,
+}
+
+# --------------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------------
+
+_REFERENCES: dict[tuple[str, str], FitResult] = {}
+
+
+def reference(kind: str, precision: str) -> FitResult:
+    """Plain Lightning's run of ``kind`` (cached: every placement compares against the same run)."""
+    key = (kind, precision)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run(kind, "auto", precision)
+    return _REFERENCES[key]
+
+
+def run(kind: str, strategy: Any, precision: str = "32-true") -> FitResult:
+    return fit_steps(LM(ZOO[kind]), strategy, precision=precision, steps=STEPS)
+
+
+# the fewest chunks of ``total / 8`` elements (at least 256) whose device budget runs each model (found by trying
+# 1, 2, ... chunks; one fewer is refused at setup or the first step with the figures)
+TIGHT_CHUNKS = {
+    "lstm": 9,
+    "gru": 9,
+    "mha_kdim": 4,
+    "mha_seq_first": 6,
+    "transformer": 2,
+    "encoder": 3,
+    "cnn": 5,
+    "cnn_dropout": 5,
+    "conv1d_prelu": 3,
+    "bag_bilinear": 7,
+    "bag_weighted": 7,
+    "embedding_renorm": 3,
+    "parametrized": 3,
+    "spectral_norm": 3,
+    "odd_modules": 3,
+    "checkpointed": 10,
+}
+
+
+def tight_strategy(kind: str, itemsize: int) -> PatrickStarStrategy:
+    """Static placement with chunks of an eighth of the model (the engine gives a larger parameter a larger chunk)
+    and the smallest device budget, in chunks, that runs the model: the rest must live on HOST."""
+    torch.manual_seed(SEED)
+    total = sum(p.numel() for p in ZOO[kind]().parameters())
+    chunk = max(256, math.ceil(total / 8))
+    limit = TIGHT_CHUNKS[kind] * chunk * itemsize
+    return PatrickStarStrategy(chunk_size=chunk, placement="static", device_memory_limit=limit)
+
+
+def assert_close_to_plain(got: FitResult, ref: FitResult, what: str) -> None:
+    assert len(got.losses) == len(ref.losses) == STEPS, f"{what}: {len(got.losses)} vs {len(ref.losses)} losses"
+    for i, (a, b) in enumerate(zip(got.losses, ref.losses, strict=True)):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"{what}: step {i}: patrickstar {a!r} vs plain {b!r}"
+    assert_states_close(got.final, ref.final, what=what, rtol=1e-5, atol=1e-6)
+    # the run changed the weights (so "close" means something)
+    moved = max(float((got.final[k] - got.recorder.initial_state[k]).abs().max()) for k in got.final)
+    assert moved > 1e-4, f"{what}: training did not change the weights"
+
+
+KINDS = sorted(ZOO)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zoo_default_placement(kind: str) -> None:
+    got = run(kind, PatrickStarStrategy())
+    assert_close_to_plain(got, reference(kind, "32-true"), f"{kind}, default")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zoo_tight_budget(kind: str) -> None:
+    strategy = tight_strategy(kind, 4)
+    got = run(kind, strategy)
+    report = strategy.memory_report()
+    assert report.evictions > 0, f"{kind}: the budget never forced an eviction:\n{report}"
+    assert report.peak_device_chunk_bytes <= report.device_memory_limit, report
+    assert_close_to_plain(got, reference(kind, "32-true"), f"{kind}, tight")
+
+
+def host_runs(kind: str, precision: str, modes: tuple[str, ...] = ("off", "pipeline", "next_forward")) -> dict:
+    strategies = {
+        mode: PatrickStarStrategy(optimizer_placement="host", optimizer_overlap=mode, chunk_size=1024) for mode in modes
+    }
+    return {mode: run(kind, strategy, precision) for mode, strategy in strategies.items()}
+
+
+# odd_modules reads a ParameterList/ParameterDict in the parent's forward: under "next_forward" that is refused
+# (tested below), so it runs "off" and "pipeline" only
+NEXT_FORWARD_REFUSED = {"odd_modules"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zoo_host_optimizer_overlap_modes(kind: str) -> None:
+    modes = ("off", "pipeline") if kind in NEXT_FORWARD_REFUSED else ("off", "pipeline", "next_forward")
+    runs = host_runs(kind, "32-true", modes)
+    assert_close_to_plain(runs["off"], reference(kind, "32-true"), f"{kind}, host off")
+    for mode in modes[1:]:
+        assert_runs_bitwise(runs[mode], runs["off"], f"{kind}: optimizer_overlap={mode!r} against 'off'")
+
+
+BF16_KINDS = [
+    "lstm",
+    "gru",
+    "mha_kdim",
+    "mha_seq_first",
+    "transformer",
+    "encoder",
+    "cnn",
+    "conv1d_prelu",
+    "bag_bilinear",
+    "embedding_renorm",
+    "parametrized",
+    "checkpointed",
+]
+
+
+@pytest.mark.parametrize("kind", BF16_KINDS)
+def test_zoo_bf16_mixed(kind: str) -> None:
+    """bf16-mixed: losses within bf16 tolerance of plain bf16-mixed; the host step's three schedules bit for bit."""
+    ref = reference(kind, "bf16-mixed")
+    runs = host_runs(kind, "bf16-mixed")
+    assert len(runs["off"].losses) == len(ref.losses) == STEPS
+    for i, (a, b) in enumerate(zip(runs["off"].losses, ref.losses, strict=True)):
+        assert abs(a - b) <= BF16_RTOL * abs(b), f"{kind} bf16: step {i}: patrickstar {a!r} vs plain {b!r}"
+    for mode in ("pipeline", "next_forward"):
+        assert_runs_bitwise(runs[mode], runs["off"], f"{kind} bf16: optimizer_overlap={mode!r} against 'off'")
+    # the tight budget too (evicting) gives the same losses as the unconstrained bf16 run, bit for bit
+    strategy = tight_strategy(kind, 2)
+    tight = run(kind, strategy, "bf16-mixed")
+    assert strategy.memory_report().evictions > 0
+    free = run(kind, PatrickStarStrategy(), "bf16-mixed")
+    assert tight.losses == free.losses, f"{kind} bf16: tight {tight.losses} vs unconstrained {free.losses}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation: torch's fast paths (TransformerEncoderLayer / MultiheadAttention in eval without grad)
+# --------------------------------------------------------------------------------------------------
+
+
+class ValLM(LM):
+    """:class:`LM` that records every validation loss (eval mode, no grad: torch's encoder fast path may run)."""
+
+    def __init__(self, build: Callable[[], nn.Module]) -> None:
+        super().__init__(build)
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_losses.append(float(F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))))
+
+
+class BareEncoderLM(nn.Module):
+    """A TransformerEncoderLayer whose eval fast path conditions hold (batch_first, relu, even heads, no mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.layer = nn.TransformerEncoderLayer(E, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.attn = nn.MultiheadAttention(E, 2, batch_first=True)
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.layer(self.wte(idx))
+        y, _ = self.attn(x, x, x, need_weights=False)  # q is k is v: the MHA fast path in eval
+        return self.head(x + y)
+
+
+def val_fit(strategy: Any) -> ValLM:
+    module = ValLM(BareEncoderLM)
+    trainer = make_trainer(strategy=strategy, max_steps=4, val_check_interval=2, limit_val_batches=2)
+    trainer.fit(module, make_loader(n_seq=16), make_loader(n_seq=8, seed=99))
+    return module
+
+
+@pytest.mark.parametrize("placement", ["default", "tight", "next_forward"])
+def test_encoder_eval_fast_path_validation_matches_plain(placement: str) -> None:
+    """Validation between steps runs the encoder layer and a self-attention in eval without grad, where torch's
+    fast path reads every child weight directly (``torch._transformer_encoder_layer_fwd``); the validation losses
+    equal plain Lightning's (which takes the fast path), also with evicted chunks and with the step's tail parked
+    into the next forward."""
+    ref = val_fit("auto")
+    strategy = {
+        "default": PatrickStarStrategy(),
+        "tight": PatrickStarStrategy(chunk_size=600, placement="static", device_memory_limit=4 * 600 * 4),
+        "next_forward": PatrickStarStrategy(
+            optimizer_placement="host", optimizer_overlap="next_forward", chunk_size=512
+        ),
+    }[placement]
+    got = val_fit(strategy)
+    assert len(ref.val_losses) == 4
+    if placement == "tight":
+        assert strategy.memory_report().evictions > 0
+    for i, (a, b) in enumerate(zip(got.val_losses, ref.val_losses, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{placement}: validation {i}: patrickstar {a!r} vs plain {b!r}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals and bf16 findings
+# --------------------------------------------------------------------------------------------------
+
+
+class ScalarParamNet(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.scale = nn.Parameter(torch.randn(E, dtype=dtype))
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        z = self.wte(idx) * self.scale
+        return self.head(z.abs() if z.is_complex() else z.float())
+
+
+def test_complex_parameter_is_refused_before_any_change() -> None:
+    """A complex parameter is refused at setup with its name and dtype; the module is left as it was."""
+    module = LM(lambda: ScalarParamNet(torch.cfloat))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"net\.scale.*complex64"):
+        fit_steps(module, PatrickStarStrategy(), steps=1)
+    after = module.state_dict()
+    for name, value in before.items():
+        assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
+    assert type(module.net.scale) is nn.Parameter
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a bfloat16 parameter in a 32-true run is silently computed in fp32 (plain Lightning keeps bf16)",
+)
+def test_bf16_parameter_in_32_true_matches_plain_or_is_refused() -> None:
+    """A model with one bfloat16 parameter, precision 32-true: plain Lightning's forward reads it in bf16. The
+    strategy must give the same losses, or refuse it at setup as it refuses float64 ("would silently cast it")."""
+    ref = fit_steps(LM(lambda: ScalarParamNet(torch.bfloat16)), "auto", steps=3)
+    try:
+        got = fit_steps(LM(lambda: ScalarParamNet(torch.bfloat16)), PatrickStarStrategy(), steps=3)
+    except ValueError as err:
+        assert "net.scale" in str(err) and "bfloat16" in str(err)
+        return
+    for i, (a, b) in enumerate(zip(got.losses, ref.losses, strict=True)):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {i}: patrickstar {a!r} vs plain {b!r}"
+
+
+def test_parameter_dict_read_by_parent_under_next_forward_is_refused() -> None:
+    """A ParameterList/ParameterDict read in the parent's forward is a weight read outside its own module's forward:
+    under ``optimizer_overlap="next_forward"`` it is refused with ParkedParameterError and a HINT (documented)."""
+    with pytest.raises(ParkedParameterError, match="HINT"):
+        run("odd_modules", PatrickStarStrategy(optimizer_placement="host", optimizer_overlap="next_forward"))
+
+
+class DictNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.pdict = nn.ParameterDict({"gain": nn.Parameter(torch.ones(E))})
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.wte(idx) * self.pdict["gain"])
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: ParkedParameterError names the torch op, not the parameter read")
+def test_parked_parameter_error_names_the_parameter() -> None:
+    """The refusal above should say which parameter was read (as the several-rank refusal does)."""
+    strategy = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap="next_forward")
+    with pytest.raises(ParkedParameterError) as err:
+        fit_steps(LM(DictNet), strategy, steps=3)
+    assert "pdict.gain" in str(err.value)
+
+
+class OrthNet(nn.Module):
+    """orthogonal() with its default map (matrix_exp for a square weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.lin = parametrizations.orthogonal(nn.Linear(E, E))
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin(self.wte(idx))))
+
+
+class SpectralNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.lin = parametrizations.spectral_norm(nn.Linear(E, E))
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin(self.wte(idx))))
+
+
+BF16_BUGS = {
+    "orthogonal": (OrthNet, "BUG: bf16-mixed orthogonal() (matrix_exp) runs on the bf16 copy: NaN at step 1"),
+    "spectral_norm": (SpectralNet, "BUG: bf16-mixed spectral_norm crashes in torch.mv (bf16 weight, fp32 u/v)"),
+    "embedding_bag_weights": (
+        lambda: BagLM(weighted=True),
+        "BUG: bf16-mixed EmbeddingBag with fp32 per_sample_weights crashes (bf16 weight)",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=v[1])) for k, v in BF16_BUGS.items()]
+)
+def test_bf16_mixed_modules_outside_autocast_match_plain(name: str) -> None:
+    """Plain bf16-mixed keeps fp32 weights and casts only what autocast lists; the strategy hands the forward bf16
+    copies. Ops outside autocast's lists (matrix_exp, mv, embedding_bag's per-sample weights) then see bf16 where
+    plain Lightning gives them fp32: the run must still match plain bf16-mixed, or be refused at setup."""
+    build = BF16_BUGS[name][0]
+    ref = fit_steps(LM(build), "auto", precision="bf16-mixed", steps=STEPS)
+    got = fit_steps(LM(build), PatrickStarStrategy(), precision="bf16-mixed", steps=STEPS)
+    for i, (a, b) in enumerate(zip(got.losses, ref.losses, strict=True)):
+        assert abs(a - b) <= BF16_RTOL * abs(b), f"{name}: step {i}: patrickstar {a!r} vs plain {b!r}"
