@@ -65,6 +65,33 @@ class RNNLM(nn.Module):
         return self.head(y)
 
 
+class ProjLSTMLM(nn.Module):
+    """LSTM with proj_size (an extra weight_hr per layer and direction in the flat weights), 2 bidirectional layers
+    and dropout between them (the RNG stream must be plain Lightning's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.rnn = nn.LSTM(E, E, num_layers=2, bidirectional=True, proj_size=8, dropout=0.25, batch_first=True)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.wte(idx))[0])
+
+
+class ReluRNNLM(nn.Module):
+    """nn.RNN(nonlinearity="relu"), 2 layers, dropout between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.rnn = nn.RNN(E, E, num_layers=2, nonlinearity="relu", dropout=0.3, batch_first=True)
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.wte(idx))[0])
+
+
 def causal(t: int) -> torch.Tensor:
     return torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
 
@@ -335,6 +362,8 @@ class CheckpointedRNNLM(nn.Module):
 ZOO: dict[str, Callable[[], nn.Module]] = {
     "lstm": lambda: RNNLM(nn.LSTM, batch_first=True),
     "gru": lambda: RNNLM(nn.GRU, batch_first=False),
+    "lstm_proj_dropout": ProjLSTMLM,
+    "rnn_relu_dropout": ReluRNNLM,
     "mha_kdim": MHAKdimLM,
     "mha_seq_first": MHASeqFirstLM,
     "transformer": TransformerLM,
@@ -375,6 +404,8 @@ def run(kind: str, strategy: Any, precision: str = "32-true") -> FitResult:
 TIGHT_CHUNKS = {
     "lstm": 9,
     "gru": 9,
+    "lstm_proj_dropout": 8,
+    "rnn_relu_dropout": 6,
     "mha_kdim": 4,
     "mha_seq_first": 6,
     "transformer": 2,
@@ -454,6 +485,7 @@ def test_zoo_host_optimizer_overlap_modes(kind: str) -> None:
 
 BF16_KINDS = [
     "lstm",
+    "lstm_proj_dropout",
     "gru",
     "mha_kdim",
     "mha_seq_first",
@@ -528,12 +560,28 @@ def val_fit(strategy: Any) -> ValLM:
 
 
 @pytest.mark.parametrize("placement", ["default", "tight", "next_forward"])
-def test_encoder_eval_fast_path_validation_matches_plain(placement: str) -> None:
-    """Validation between steps runs the encoder layer and a self-attention in eval without grad, where torch's
-    fast path reads every child weight directly (``torch._transformer_encoder_layer_fwd``); the validation losses
-    equal plain Lightning's (which takes the fast path), also with evicted chunks and with the step's tail parked
-    into the next forward."""
+def test_encoder_eval_fast_path_validation_matches_plain(placement: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation between steps runs the encoder layer and a self-attention in eval without grad. Plain Lightning
+    takes torch's fast paths (``torch._transformer_encoder_layer_fwd`` reads every child weight of the layer
+    directly; ``torch._native_multi_head_attention`` reads ``in_proj_weight`` and ``out_proj``'s weights). Under
+    the strategy the layer's fast path is off (its module hooks disable it) but the attention's native path runs.
+    The validation losses equal plain Lightning's, also with evicted chunks and with the step's tail parked into
+    the next forward."""
+    calls = {"layer": 0, "mha": 0}
+    layer_fwd, mha_fwd = torch._transformer_encoder_layer_fwd, torch._native_multi_head_attention
+
+    def count_layer(*args: Any, **kwargs: Any) -> Any:
+        calls["layer"] += 1
+        return layer_fwd(*args, **kwargs)
+
+    def count_mha(*args: Any, **kwargs: Any) -> Any:
+        calls["mha"] += 1
+        return mha_fwd(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", count_layer)
+    monkeypatch.setattr(torch, "_native_multi_head_attention", count_mha)
     ref = val_fit("auto")
+    assert calls["layer"] > 0 and calls["mha"] > 0, f"plain Lightning took no fast path: {calls}"
     strategy = {
         "default": PatrickStarStrategy(),
         "tight": PatrickStarStrategy(chunk_size=600, placement="static", device_memory_limit=4 * 600 * 4),
