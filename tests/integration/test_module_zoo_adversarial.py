@@ -245,6 +245,33 @@ class RenormLM(nn.Module):
         return self.head(torch.tanh(self.mid(self.wte(idx))))
 
 
+class TiedRenormLM(nn.Module):
+    """One weight shared by an Embedding(max_norm=0.5), an EmbeddingBag(max_norm=0.7) and the output head: two
+    modules renormalise rows of the same weight in place in one forward, and a third reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E, max_norm=0.5)
+        self.bag = nn.EmbeddingBag(VOCAB, E, mode="sum", max_norm=0.7)
+        self.bag.weight = self.wte.weight
+        self.mid = nn.Linear(E, E)
+        self.head = nn.Linear(E, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        bag = self.bag(F.pad(idx, (2, 0)).unfold(1, 3, 1).reshape(b * t, 3)).view(b, t, E)
+        return self.head(torch.tanh(self.mid(self.wte(idx) + bag)))
+
+
+def partly_frozen_lstm() -> nn.Module:
+    """A bidirectional LSTM with two of its flat weights frozen (a frozen and a trainable family in one module)."""
+    net = RNNLM(nn.LSTM, batch_first=True)
+    net.rnn.weight_hh_l0_reverse.requires_grad_(False)
+    net.rnn.bias_ih_l1.requires_grad_(False)
+    return net
+
+
 class Symmetric(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return w.triu() + w.triu(1).transpose(0, 1)
@@ -374,6 +401,8 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "bag_bilinear": BagLM,
     "bag_weighted": lambda: BagLM(weighted=True),
     "embedding_renorm": RenormLM,
+    "tied_renorm": TiedRenormLM,
+    "lstm_partly_frozen": partly_frozen_lstm,
     "parametrized": ParamLM,
     "spectral_norm": lambda: ParamLM(spectral=True),
     "odd_modules": OddLM,
@@ -416,6 +445,8 @@ TIGHT_CHUNKS = {
     "bag_bilinear": 7,
     "bag_weighted": 7,
     "embedding_renorm": 3,
+    "tied_renorm": 2,
+    "lstm_partly_frozen": 9,
     "parametrized": 3,
     "spectral_norm": 3,
     "odd_modules": 3,
@@ -495,6 +526,8 @@ BF16_KINDS = [
     "conv1d_prelu",
     "bag_bilinear",
     "embedding_renorm",
+    "tied_renorm",
+    "lstm_partly_frozen",
     "parametrized",
     "checkpointed",
 ]
