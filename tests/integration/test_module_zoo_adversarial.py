@@ -92,6 +92,23 @@ class ReluRNNLM(nn.Module):
         return self.head(self.rnn(self.wte(idx))[0])
 
 
+class PackedGRULM(nn.Module):
+    """A bidirectional 2-layer GRU over a PackedSequence (lengths from the tokens, unsorted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        self.rnn = nn.GRU(E, E, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        lengths = idx.shape[1] - (idx[:, 0] % 5)
+        packed = nn.utils.rnn.pack_padded_sequence(self.wte(idx), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        y, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=idx.shape[1])
+        return self.head(y)
+
+
 def causal(t: int) -> torch.Tensor:
     return torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
 
@@ -408,6 +425,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "lstm": lambda: RNNLM(nn.LSTM, batch_first=True),
     "gru": lambda: RNNLM(nn.GRU, batch_first=False),
     "lstm_proj_dropout": ProjLSTMLM,
+    "gru_packed": PackedGRULM,
     "rnn_relu_dropout": ReluRNNLM,
     "mha_kdim": MHAKdimLM,
     "mha_seq_first": MHASeqFirstLM,
@@ -453,6 +471,7 @@ TIGHT_CHUNKS = {
     "lstm": 9,
     "gru": 9,
     "lstm_proj_dropout": 8,
+    "gru_packed": 9,
     "rnn_relu_dropout": 6,
     "mha_kdim": 4,
     "mha_seq_first": 6,
@@ -606,8 +625,25 @@ class BareEncoderLM(nn.Module):
         return self.head(x + y)
 
 
-def val_fit(strategy: Any) -> ValLM:
-    module = ValLM(BareEncoderLM)
+class NestedEncoderLM(nn.Module):
+    """nn.TransformerEncoder with ``enable_nested_tensor`` and a key padding mask: in eval without grad plain torch
+    turns the padded batch into a nested tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, E)
+        layer = nn.TransformerEncoderLayer(E, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+        self.head = nn.Linear(E, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        padded = torch.arange(t).unsqueeze(0) >= (t - (idx[:, :1] % 5))  # True: padding
+        return self.head(self.enc(self.wte(idx), src_key_padding_mask=padded))
+
+
+def val_fit(strategy: Any, build: Callable[[], nn.Module] = BareEncoderLM) -> ValLM:
+    module = ValLM(build)
     trainer = make_trainer(strategy=strategy, max_steps=4, val_check_interval=2, limit_val_batches=2)
     trainer.fit(module, make_loader(n_seq=16), make_loader(n_seq=8, seed=99))
     return module
@@ -647,6 +683,22 @@ def test_encoder_eval_fast_path_validation_matches_plain(placement: str, monkeyp
     assert len(ref.val_losses) == 4
     if placement == "tight":
         assert strategy.memory_report().evictions > 0
+    for i, (a, b) in enumerate(zip(got.val_losses, ref.val_losses, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{placement}: validation {i}: patrickstar {a!r} vs plain {b!r}"
+
+
+@pytest.mark.parametrize("placement", ["default", "next_forward"])
+def test_nested_tensor_encoder_validation_matches_plain(placement: str) -> None:
+    """A padded batch through ``TransformerEncoder(enable_nested_tensor=True)`` in validation (plain torch's nested
+    tensor path) gives plain Lightning's validation losses."""
+    ref = val_fit("auto", NestedEncoderLM)
+    strategy = (
+        PatrickStarStrategy()
+        if placement == "default"
+        else PatrickStarStrategy(optimizer_placement="host", optimizer_overlap="next_forward", chunk_size=512)
+    )
+    got = val_fit(strategy, NestedEncoderLM)
+    assert len(got.val_losses) == len(ref.val_losses) == 4
     for i, (a, b) in enumerate(zip(got.val_losses, ref.val_losses, strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), f"{placement}: validation {i}: patrickstar {a!r} vs plain {b!r}"
 
