@@ -554,6 +554,36 @@ def test_zoo_host_optimizer_overlap_modes(kind: str) -> None:
         assert_runs_bitwise(runs[mode], runs["off"], f"{kind}: optimizer_overlap={mode!r} against 'off'")
 
 
+ACCUMULATION_KINDS = [
+    "lstm_partly_frozen",
+    "gru_packed",
+    "tied_renorm",
+    "spectral_norm",
+    "legacy_norms",
+    "checkpointed",
+]
+
+
+@pytest.mark.parametrize("kind", ACCUMULATION_KINDS)
+def test_zoo_accumulation_and_clipping(kind: str) -> None:
+    """accumulate_grad_batches=2 with norm clipping (in-place renorms and power iterations run in every
+    micro-batch, frozen flat weights, recomputation): under the tight budget and the host step (next_forward where
+    the model allows it) the losses and final state equal plain Lightning's."""
+    options: dict[str, Any] = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    loader = make_loader(n_seq=8 * 3)
+    ref = fit_steps(LM(ZOO[kind]), "auto", steps=3, loader=loader, **options)
+    mode = "pipeline" if kind in NEXT_FORWARD_REFUSED else "next_forward"
+    tight = tight_strategy(kind, 4)
+    host = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap=mode, chunk_size=1024)
+    for what, strategy in (("tight", tight), (mode, host)):
+        got = fit_steps(LM(ZOO[kind]), strategy, steps=3, loader=loader, **options)
+        assert len(got.losses) == len(ref.losses) == 6
+        for i, (a, b) in enumerate(zip(got.losses, ref.losses, strict=True)):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), f"{kind}, {what}: micro-batch {i}: {a!r} vs plain {b!r}"
+        assert_states_close(got.final, ref.final, what=f"{kind}, {what}", rtol=1e-5, atol=1e-6)
+    assert tight.memory_report().evictions > 0
+
+
 BF16_KINDS = [
     "lstm",
     "lstm_proj_dropout",
