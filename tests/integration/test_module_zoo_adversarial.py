@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -582,6 +583,35 @@ def test_zoo_accumulation_and_clipping(kind: str) -> None:
             assert abs(a - b) <= LOSS_RTOL * abs(b), f"{kind}, {what}: micro-batch {i}: {a!r} vs plain {b!r}"
         assert_states_close(got.final, ref.final, what=f"{kind}, {what}", rtol=1e-5, atol=1e-6)
     assert tight.memory_report().evictions > 0
+
+
+def two_phase(kind: str, first: Any, second: Any, path: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """2 steps under ``first()``, ``trainer.save_checkpoint``, resume under ``second()`` to step 4."""
+    loader = make_loader(n_seq=16)
+    one = fit_steps(LM(ZOO[kind]), first(), steps=2, loader=loader)
+    one.trainer.save_checkpoint(path)
+    two = fit_steps(LM(ZOO[kind]), second(), steps=4, loader=loader, ckpt_path=str(path))
+    return one.losses + two.losses, two.final
+
+
+@pytest.mark.parametrize("kind", ["lstm", "spectral_norm", "legacy_norms", "odd_modules"])
+def test_zoo_checkpoint_resume(kind: str, tmp_path: Path) -> None:
+    """Flat RNN weights, parametrization originals with spectral_norm's u/v buffers, hook-based weight_g/weight_v
+    and a buffer updated in forward go through a checkpoint: resuming under the tight budget, and across plain
+    Lightning and the strategy in both directions, gives plain Lightning's resumed run."""
+    plain = lambda: "auto"  # noqa: E731
+    ref_losses, ref_final = two_phase(kind, plain, plain, tmp_path / "plain.ckpt")
+    runs = {
+        "tight": (lambda: tight_strategy(kind, 4), lambda: tight_strategy(kind, 4)),
+        "patrickstar -> plain": (PatrickStarStrategy, plain),
+        "plain -> patrickstar": (plain, PatrickStarStrategy),
+    }
+    for i, (what, (first, second)) in enumerate(runs.items()):
+        losses, final = two_phase(kind, first, second, tmp_path / f"{i}.ckpt")
+        assert len(losses) == len(ref_losses) == 4
+        for j, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), f"{kind}, {what}: step {j}: {a!r} vs plain {b!r}"
+        assert_states_close(final, ref_final, what=f"{kind}, {what}", rtol=1e-5, atol=1e-6)
 
 
 BF16_KINDS = [
