@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 from torch.nn.utils import parametrizations, parametrize
 from torch.utils.checkpoint import checkpoint
 
@@ -913,3 +914,67 @@ def test_legacy_norm_pre_hooks_under_next_forward() -> None:
         for mode in ("off", "next_forward")
     }
     assert_runs_bitwise(runs["next_forward"], runs["off"], "legacy weight_norm, next_forward against off")
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.nn's module machinery used from the LightningModule: full backward hooks, functional_call
+# --------------------------------------------------------------------------------------------------
+
+
+class HookedLM(LM):
+    """A full backward hook on the LSTM records its output gradient's norm; a full backward pre-hook on the head
+    triples the gradient flowing into it (it changes every gradient below the head)."""
+
+    def __init__(self) -> None:
+        super().__init__(ZOO["lstm"])
+        self.seen: list[float] = []
+        self.net.rnn.register_full_backward_hook(lambda m, gi, go: self.seen.append(float(go[0].norm())))
+        self.net.head.register_full_backward_pre_hook(lambda m, go: (go[0] * 3.0,))
+
+
+class FunctionalCallLM(LM):
+    """training_step runs the net through ``torch.func.functional_call`` with the head's weight replaced by a
+    tensor computed from it (the modules' own parameters swapped out for the call)."""
+
+    def __init__(self) -> None:
+        super().__init__(ZOO["lstm"])
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        params = dict(self.net.named_parameters())
+        params["head.weight"] = params["head.weight"] * 0.5
+        logits = functional_call(self.net, params, (x,))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+@pytest.mark.parametrize("placement", ["default", "tight", "next_forward"])
+def test_full_backward_hooks_match_plain(placement: str) -> None:
+    ref = fit_steps(HookedLM(), "auto", steps=3)
+    strategy = {
+        "default": PatrickStarStrategy,
+        "tight": lambda: tight_strategy("lstm", 4),
+        "next_forward": lambda: PatrickStarStrategy(
+            optimizer_placement="host", optimizer_overlap="next_forward", chunk_size=1024
+        ),
+    }[placement]()
+    module = HookedLM()
+    got = fit_steps(module, strategy, steps=3)
+    assert module.seen == ref.module.seen and len(module.seen) == 3, (module.seen, ref.module.seen)
+    assert_close_to_plain_n(got, ref, f"backward hooks, {placement}")
+
+
+@pytest.mark.parametrize("placement", ["default", "tight"])
+def test_functional_call_with_substituted_weight_matches_plain(placement: str) -> None:
+    ref = fit_steps(FunctionalCallLM(), "auto", steps=3)
+    strategy = PatrickStarStrategy() if placement == "default" else tight_strategy("lstm", 4)
+    got = fit_steps(FunctionalCallLM(), strategy, steps=3)
+    assert_close_to_plain_n(got, ref, f"functional_call, {placement}")
+    if placement == "tight":
+        assert strategy.memory_report().evictions > 0
+
+
+def assert_close_to_plain_n(got: FitResult, ref: FitResult, what: str) -> None:
+    assert len(got.losses) == len(ref.losses) > 0, what
+    for i, (a, b) in enumerate(zip(got.losses, ref.losses, strict=True)):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"{what}: step {i}: patrickstar {a!r} vs plain {b!r}"
+    assert_states_close(got.final, ref.final, what=what, rtol=1e-5, atol=1e-6)
