@@ -305,6 +305,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
             self.precision.backward(tensor, module, *args, **kwargs)
             self.precision.post_backward(tensor, module)
         manager.finish_backward()
+        manager.guard_user_grads()  # user code runs before the step: [Note: gradients user code cannot see]
         self._batch_open = False
 
     @override

@@ -29,7 +29,12 @@ from lightning_pstar.report import MemoryReport, format_bytes
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
-from lightning_pstar.setup_checks import parameter_free_metrics, refuse_shared_parameters, refuse_unsupported_dtypes
+from lightning_pstar.setup_checks import (
+    parameter_free_metrics,
+    refuse_shared_parameters,
+    refuse_sparse_gradients,
+    refuse_unsupported_dtypes,
+)
 
 __all__ = [
     "EndOfRun",
@@ -136,7 +141,8 @@ def build_engine(
     """Plan (every check before anything changes), materialise the model into chunks, install the hooks and
     move the buffers. Called on every rank, in the same order (it may create a process group)."""
     precision.device_type = device.type
-    refuse_unsupported_dtypes(module)
+    refuse_unsupported_dtypes(module, precision.compute_dtype)
+    refuse_sparse_gradients(module)
     manager = ChunkManager(
         module,
         config=config,
@@ -189,6 +195,7 @@ def hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Seque
     complete. Called on every rank; after a failure on several ranks nothing is gathered (a rank may be stuck
     in, or gone from, a collective) and the model keeps its chunk views. With ``hand_back_weights=False`` the
     weights and optimizer states are not copied out (:func:`drop_weights`)."""
+    manager.grad_guard.remove(check=False)  # no stand-in p.grad leaves with the model ([Note: gradients user ...])
     try:
         return _hand_back(manager, hooks, optimizers, failed=failed)
     finally:

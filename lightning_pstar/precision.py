@@ -182,6 +182,9 @@ class PatrickStarPrecision(ChunkPrecision, Precision):
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self.uses_loss_scaling:
             tensor = tensor / self.scale
+        guard = getattr(module.trainer.strategy, "guard_user_grads", None)
+        if guard is not None:  # before the hooks below run ([Note: gradients user code cannot see])
+            guard()
         return super().post_backward(tensor, module)
 
     # ---- step ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ __all__ = [
     "parameter_free_metrics",
     "refuse_no_trainable_parameters",
     "refuse_shared_parameters",
+    "refuse_sparse_gradients",
     "refuse_unsupported_dtypes",
 ]
 
@@ -71,16 +72,37 @@ def parameter_free_metrics(module: nn.Module) -> list[nn.Module]:
 _CHUNK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def refuse_unsupported_dtypes(module: nn.Module) -> None:
+def refuse_sparse_gradients(module: nn.Module) -> None:
+    """An ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` produces sparse gradients, which a dense chunk
+    slot cannot take (the first backward would fail inside the engine): refused at setup, naming the module."""
+    for name, mod in module.named_modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and getattr(mod, "sparse", False):
+            raise ValueError(
+                f"Module '{name}' ({type(mod).__name__}) has sparse=True: its sparse gradients cannot go into"
+                " PatrickStar's dense chunks. HINT: build it with sparse=False (the optimizer then steps the dense"
+                " gradient, as torch's fused Adam/AdamW/SGD require anyway)."
+            )
+
+
+def refuse_unsupported_dtypes(module: nn.Module, compute_dtype: torch.dtype = torch.float32) -> None:
     """Chunks hold fp32 masters and fp32/fp16/bf16 compute copies: another floating dtype (float64) would be cast
     silently, so it is refused before anything changes (integer and complex parameters are refused by the
-    planner, with a hint to make them buffers)."""
+    planner, with a hint to make them buffers). In 32-true (``compute_dtype`` float32) a float16 or bfloat16
+    parameter would be computed in fp32 where plain Lightning computes it in its own dtype: refused too."""
     for name, p in module.named_parameters():
-        if p.is_floating_point() and p.dtype not in _CHUNK_DTYPES:
+        if not p.is_floating_point():
+            continue
+        if p.dtype not in _CHUNK_DTYPES:
             raise ValueError(
                 f"Parameter '{name}' has dtype {p.dtype}; PatrickStar keeps parameters in float32, float16 or"
                 f" bfloat16 chunks and would silently cast it. HINT: build it as float32 (`.float()`) or keep it"
                 " out of the parameters (a buffer: `register_buffer`)."
+            )
+        if compute_dtype == torch.float32 and p.dtype != torch.float32:
+            raise ValueError(
+                f"Parameter '{name}' has dtype {p.dtype} in a 32-true run; PatrickStar's 32-true chunks are float32"
+                f" and would silently compute it in float32 (plain Lightning computes it in {p.dtype}). HINT: build"
+                " it as float32 (`.float()`), or train in mixed precision (`precision='bf16-mixed'`)."
             )
 
 

@@ -348,6 +348,12 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             else:
                 chunked.overlap.forget_norms()
 
+    def guard_user_grads(self) -> None:
+        """The backward is over and user code may use ``p.grad`` before the step: it gets stand-ins that refuse
+        ([Note: gradients user code cannot see] in runtime/grad_guard.py). Called by the precision plugin."""
+        if self._manager is not None and not nothing_reads_gradients(self.lightning_module, self.optimizers):
+            self._manager.guard_user_grads()
+
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self._manager is not None:

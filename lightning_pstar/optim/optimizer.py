@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -78,6 +79,24 @@ class _ReadNorm:
     total: torch.Tensor | None
 
 
+class _StatesInChunks(defaultdict):  # torch's type for Optimizer.state
+    """``optimizer.state`` of a :class:`ChunkedOptimizer`: the states live in chunks, so a read of a parameter's
+    entry (``optimizer.state[p]``, ``.get(p)``) is refused with a HINT where torch's empty default would be
+    silently wrong (a monitor of Adam moments reading nothing). Iteration sees no entry, as before."""
+
+    def __missing__(self, key: Any) -> Any:
+        raise RuntimeError(
+            "PatrickStar keeps optimizer states (e.g. Adam's exp_avg) in its chunks, not in `optimizer.state`."
+            " HINT: read them with `optimizer.state_dict()['state']` (torch's layout, by parameter index, fp32 on"
+            " CPU, consolidated from every rank)."
+        )
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if isinstance(key, torch.Tensor):
+            self.__missing__(key)
+        return super().get(key, default)
+
+
 class ChunkedOptimizer(Optimizer):
     """Steps ``optimizer``'s hyper-parameters on the chunks of ``manager``."""
 
@@ -96,12 +115,17 @@ class ChunkedOptimizer(Optimizer):
         super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
         self._adding_initial_groups = False
         self.param_groups = optimizer.param_groups
+        self.state = _StatesInChunks(dict)
         self._user_optimizer = optimizer
         self._manager = manager
         self.gradient_policy = GradientPolicy()
         self.last_step = StepResult()
         self._applied_steps = 0  # steps that changed the weights (the non-finite check names the next one)
         self._read_norm: _ReadNorm | None = None  # set by gradient_norm, used by the next step
+        # the last step zeroed the gradients and no zero_grad came since ([Note: gradients end with the step]); a
+        # one-element list, shared with the copies of this object's __dict__ that LightningOptimizer makes (its
+        # zero_grad is this class's, run with the copy as self)
+        self._zeroed_by_step = [False]
         self._book = OptimizerBook(is_adam=isinstance(optimizer, torch.optim.Adam))  # AdamW subclasses Adam
         self._state_io = ChunkedStateDict(manager, self._book, self.param_groups)
         for gi, group in enumerate(self.param_groups):
@@ -129,6 +153,13 @@ class ChunkedOptimizer(Optimizer):
         """The optimizer ``configure_optimizers`` returned (its param_groups are shared with this one)."""
         return self._user_optimizer
 
+    @property
+    def optimizer(self) -> Optimizer:
+        """The user's optimizer, under the name wrapping optimizers give it (DeepSpeed's, ``LightningOptimizer``):
+        ``LearningRateMonitor`` names and matches optimizers through it (otherwise it logs this wrapper as one
+        more optimizer, ``lr-ChunkedOptimizer``, beside the user's)."""
+        return self._user_optimizer
+
     # ---- the step ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -136,6 +167,7 @@ class ChunkedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._manager.grad_guard.remove()  # p.grad stand-ins ([Note: gradients user code cannot see])
         try:
             self._step()
         finally:
@@ -152,6 +184,8 @@ class ChunkedOptimizer(Optimizer):
         if leftover:  # before reading gradients: each still holds the last step's until its job ends
             manager.pipeline.drain(only=leftover)
         families = self._families_with_grads()
+        if self._zeroed_by_step[0] and families:
+            self._refuse_sum_across_steps(families)
         with torch.profiler.record_function("pstar::optimizer_step"):
             self.last_step = StepResult()
             read, self._read_norm = self._read_norm, None
@@ -162,7 +196,7 @@ class ChunkedOptimizer(Optimizer):
             if coef is None:
                 assert not early, "PatrickStar internal error: a step inside the backward was skipped"
                 self.last_step = StepResult(skipped=True)
-                self.zero_grad()
+                self._zero_after_step()
                 return
             assert coef == 1.0 or not early, "PatrickStar internal error: a step inside the backward needed clipping"
             try:
@@ -177,7 +211,7 @@ class ChunkedOptimizer(Optimizer):
             manager.weights_version += 1  # weights autograd saved by reference are stale now
             self._applied_steps += 1
             self._step_host_params(on_host, coef)
-            self.zero_grad()
+            self._zero_after_step()
 
     def _nonfinite(self, families: list[ChunkFamily]) -> bool:
         """``mixed_precision.nonfinite``: whether this step must not be applied, because a backward since the last
@@ -196,7 +230,7 @@ class ChunkedOptimizer(Optimizer):
         names = self._nonfinite_names(families) if policy is NonFinite.RAISE else []
         what = "the loss" if manager.nonfinite_loss else f"the global gradient norm ({total})"
         self.last_step = StepResult(skipped=True, total_norm=total)
-        self.zero_grad()
+        self._zero_after_step()
         if policy is NonFinite.SKIP:
             manager.nonfinite_skipped_steps += 1
             log.warning("PatrickStar: %s was not finite; optimizer step %d was skipped.", what, self._applied_steps)
@@ -375,9 +409,31 @@ class ChunkedOptimizer(Optimizer):
             " in the optimizer given to `fabric.setup`, before that call)."
         )
 
+    def _zero_after_step(self) -> None:
+        """The step consumed the gradients (applied or skipped): they go, where torch keeps them until
+        ``zero_grad``; a step before the user's next ``zero_grad`` is refused ([Note: gradients end with the step])."""
+        self.zero_grad()
+        self._zeroed_by_step[0] = True
+
+    def _refuse_sum_across_steps(self, families: list[ChunkFamily]) -> None:
+        """[Note: gradients end with the step] A step's gradients go with it (in mixed precision the parameter's slot
+        that holds them becomes the new weight). torch keeps them in ``p.grad`` until ``zero_grad``, so a step with
+        no ``zero_grad`` since the last one adds the last step's gradients to this one's: a loop that never zeroes,
+        an ``optimizer_zero_grad`` override that zeroes every other batch. That sum is gone here, so the step is
+        refused, before it changes anything, instead of silently stepping with this backward's gradients alone."""
+        name = families[0].records[0].names[0]
+        raise RuntimeError(
+            f"PatrickStar: optimizer.step() was called without `zero_grad()` since the last step, so plain PyTorch"
+            f" would add the last step's gradients to these (parameters such as '{name}'). PatrickStar frees"
+            " gradients at each step and cannot add them. HINT: call `optimizer.zero_grad()` between steps (do not"
+            " override `optimizer_zero_grad` to keep gradients); accumulate gradients over several backward calls"
+            " before one step instead (`accumulate_grad_batches`, or several `manual_backward` calls)."
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of this optimizer's parameters (weights overwritten by gradients are restored
         from the masters); another optimizer's gradients stay for its own step."""
+        self._zeroed_by_step[0] = False
         self._read_norm = None
         self.overlap.forget_norms()
         self._manager.nonfinite_loss = False  # the gradients of that loss are gone

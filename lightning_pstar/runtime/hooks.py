@@ -193,7 +193,7 @@ class ModelHooks:
     def install(self) -> None:
         add = self._add_module_hooks
         for index, (module, records) in enumerate(self.manager.table.module_records.items()):
-            add(module, self._make_pre_forward(index, records), self._make_post_forward(index, records))
+            add(module, self._make_pre_forward(index, records), self._make_post_forward(index, records), first=True)
         for record in self.manager.records:
             if record.trainable:
                 self._handles.append(record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record)))
@@ -214,10 +214,13 @@ class ModelHooks:
         record = self.manager.table.by_id.get(id(param))
         return (record is not None and record.param is param) or self.manager.is_host_param(param)
 
-    def _add_module_hooks(self, module: nn.Module, pre: Any, post: Any) -> None:
+    def _add_module_hooks(self, module: nn.Module, pre: Any, post: Any, *, first: bool = False) -> None:
         """Register a forward pre-hook and a forward hook that ``torch.compile`` runs eagerly ([Note: hooks
-        under torch.compile])."""
-        self._handles.append(module.register_forward_pre_hook(self._eager(pre)))
+        under torch.compile]). ``first``: the pre-hook runs before the module's pre-hooks registered earlier (the
+        chunks' own: a user's pre-hook such as ``nn.utils.weight_norm``, ``spectral_norm`` or ``prune`` computes
+        the weight from parameters that must be resident, and under ``optimizer_overlap="next_forward"``
+        stepped, first); the forward hook runs after the module's own."""
+        self._handles.append(module.register_forward_pre_hook(self._eager(pre), prepend=first))
         self._handles.append(module.register_forward_hook(self._eager(post)))
 
     # ---- cpu_embedding: the lookup runs on the host, only its output moves ------------------------------

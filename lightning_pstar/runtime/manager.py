@@ -36,6 +36,7 @@ from lightning_pstar.runtime.family import (
     move_slots,
     release_slots,
 )
+from lightning_pstar.runtime.grad_guard import GradGuard
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
 from lightning_pstar.runtime.outside_writes import check_outside_writes, note_versions
@@ -123,6 +124,7 @@ class ChunkManager:
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
         # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
         self.pipeline = StepPipeline()
+        self.grad_guard = GradGuard()  # [Note: gradients user code cannot see] in runtime/grad_guard.py
         self.tailing = False  # an optimizer.step() returned with steps in flight (optimizer_overlap="next_forward")
         self.recomputes = False  # a module's forward ran inside a backward ([Note: copies back inside the backward])
         self.torn: list[int] = []  # families a backward that raised had stepped inside it (a mix of two steps)
@@ -295,8 +297,14 @@ class ChunkManager:
         if self.config.mixed_precision.nonfinite is not NonFinite.IGNORE and not bool(torch.isfinite(loss).all()):
             self.nonfinite_loss = True
 
+    def guard_user_grads(self) -> None:
+        """User code may use ``p.grad`` until the step: give it stand-ins that refuse ([Note: gradients user code
+        cannot see] in runtime/grad_guard.py)."""
+        self.grad_guard.install((r.names[0], r.param) for r in self.records if r.trainable)
+
     def begin_backward(self) -> None:
         """Every rank starts the backward of a training pass (the strategy's ``pre_backward``)."""
+        self.grad_guard.remove()
         with torch.no_grad():
             self.sharding.begin_backward()
 
@@ -401,6 +409,7 @@ class ChunkManager:
 
     def end_training(self) -> None:
         """Training micro-batches are over for now (evaluation, or the end of fit): nothing is traced."""
+        self.grad_guard.remove(check=False)
         self.finish_steps()
         self.finish_backward()
         if self.phase.training:
@@ -412,6 +421,7 @@ class ChunkManager:
 
     def begin_eval_pass(self) -> None:
         """Every rank starts an evaluation step (validation, test, predict)."""
+        self.grad_guard.remove(check=False)
         self.finish_steps()
         self.phase = Phase.EVAL
         self.sharding.begin_pass(training=False)
@@ -425,6 +435,7 @@ class ChunkManager:
         """Forget the gradients of ``records`` (default: all; an optimizer's ``zero_grad`` passes its own);
         weights overwritten by gradients are restored from the masters. A family whose step is in flight consumed
         its gradients: its job forgets them when it finishes ([Note: the step pipeline])."""
+        self.grad_guard.remove(check=False)
         self.sharding.discard()
         records = self.records if records is None else records
         stepping = self.residency.stepping

@@ -29,6 +29,9 @@ _METADATA = frozenset(
         torch.Tensor.dtype.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.device.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        # freezing or unfreezing reads no value (``toggle_optimizer``, a callback freezing a layer mid-run)
+        torch.Tensor.requires_grad.__set__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.requires_grad_,
         torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.grad.__set__,  # type: ignore[attr-defined,union-attr,unused-ignore]

@@ -294,7 +294,16 @@ class PinnedArena:
         self._classes = {b: c for b, c in self._classes.items() if c.held or c.buffers}
         self._held_bytes = sum(block * c.held for block, c in self._classes.items())
         if self.pin and torch.cuda.is_available():
-            torch.accelerator.empty_host_cache()
+            _empty_host_cache()
+
+
+def _empty_host_cache() -> None:
+    """Give torch's caching host allocator's idle pinned blocks back: ``torch.accelerator.empty_host_cache`` from
+    torch 2.13, the private binding before it (torch 2.11 on the first GPU box had only that); nothing where neither
+    exists."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 _ARENA: list[PinnedArena] = []  # the process's one arena, created on first use (see the module note)

@@ -16,7 +16,7 @@ from lightning_pstar import PatrickStarFabricStrategy
 from lightning_pstar.checkpoint import CheckpointError, full_state_dict
 from lightning_pstar.optim.optimizer import NonFiniteStepError
 from tests.helpers.asserts import assert_states_close, assert_states_equal, max_rel_diff
-from tests.helpers.fabric_loop import LoopSpec, batches, train
+from tests.helpers.fabric_loop import LoopSpec, _state, batches, train
 from tests.helpers.models import SEED, FlatGPT, lm_loss
 
 LOSS_RTOL = 1e-5
@@ -472,3 +472,63 @@ def test_dropped_run_frees_the_engine_and_the_model(mode: str) -> None:
     gc.collect()
     assert model() is None, "the model outlived its dropped Fabric run"
     assert live_managers() == before, "the engine outlived its dropped Fabric run"
+
+
+def test_p_grad_between_backward_and_step_is_refused_not_silently_none() -> None:
+    """Fabric user code between ``fabric.backward`` and ``optimizer.step``: plain Fabric has ``p.grad``; here the
+    gradients live in chunks, so ``p.grad`` is a stand-in that refuses any use, naming the parameter
+    ([Note: gradients user code cannot see] in runtime/grad_guard.py) where ``p.grad is None`` made
+    ``clip_grad_norm_`` clip nothing. Metadata reads work; after the step ``p.grad`` is None again; the weights
+    after the refusals equal a run that never tried (nothing changed)."""
+    from lightning_pstar.runtime.grad_guard import GradientsInChunksError
+
+    fabric, model, opt = _set_up()
+    x, y = next(batches(1, 0))
+    fabric.backward(lm_loss(model(x), y))
+    weight = model.module.wte.weight
+    assert weight.grad is not None and weight.grad.shape == weight.shape and weight.grad.dtype == weight.dtype
+    with pytest.raises(GradientsInChunksError, match=r"'wte\.weight'.*HINT"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(GradientsInChunksError, match=r"wte\.weight"):
+        weight.grad.mul_(0.5)
+    with pytest.raises(GradientsInChunksError):
+        float(weight.grad.norm())
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    opt.zero_grad()
+    after = _state(fabric, model)
+
+    fabric2, model2, opt2 = _set_up()  # the same step, nothing tried in between
+    fabric2.backward(lm_loss(model2(x), y))
+    opt2.step()
+    opt2.zero_grad()
+    assert_states_equal(after, _state(fabric2, model2), what="weights after the refused reads")
+
+
+def test_p_grad_assigned_before_step_is_refused() -> None:
+    """``p.grad = tensor`` between backward and step (a hand-made gradient) would be ignored by the step: refused."""
+    from lightning_pstar.runtime.grad_guard import GradientsInChunksError
+
+    fabric, model, opt = _set_up()
+    x, y = next(batches(1, 0))
+    fabric.backward(lm_loss(model(x), y))
+    weight = model.module.wte.weight
+    weight.grad = torch.zeros_like(weight)
+    with pytest.raises(GradientsInChunksError, match=r"wte\.weight'\] was assigned"):
+        opt.step()
+
+
+def test_step_without_zero_grad_is_refused_under_fabric() -> None:
+    """A Fabric loop with no ``zero_grad``: plain torch adds the last step's gradients; refused at the second step,
+    before it changes anything ([Note: gradients end with the step] in optim/optimizer.py)."""
+    fabric, model, opt = _set_up()
+    data = batches(1, 0)
+    x, y = next(data)
+    fabric.backward(lm_loss(model(x), y))
+    opt.step()
+    x, y = next(data)
+    fabric.backward(lm_loss(model(x), y))
+    before = _state(fabric, model)
+    with pytest.raises(RuntimeError, match=r"without `zero_grad\(\)` since the last step"):
+        opt.step()
+    assert_states_equal(_state(fabric, model), before, what="weights after the refused step")

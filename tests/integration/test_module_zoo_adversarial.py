@@ -816,10 +816,6 @@ def test_complex_parameter_is_refused_before_any_change() -> None:
     assert type(module.net.scale) is nn.Parameter
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a bfloat16 parameter in a 32-true run is silently computed in fp32 (plain Lightning keeps bf16)",
-)
 def test_bf16_parameter_in_32_true_matches_plain_or_is_refused() -> None:
     """A model with one bfloat16 parameter, precision 32-true: plain Lightning's forward reads it in bf16. The
     strategy must give the same losses, or refuse it at setup as it refuses float64 ("would silently cast it")."""
@@ -930,11 +926,6 @@ class PreHookedNet(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: next_forward: a forward pre-hook registered before setup (nn.utils.weight_norm/spectral_norm/prune)"
-    " runs before the engine's pre-forward hook and reads its own module's parked weights: ParkedParameterError",
-)
 def test_pre_hooks_registered_before_setup_under_next_forward(kind: str) -> None:
     """The hook recomputes the weight in a forward pre-hook of the module that owns the parameters: a read inside
     the module's own forward call, which "next_forward" promises to wait for. The run must equal the serial
@@ -1106,11 +1097,6 @@ class PlainSGDLM(LM):
 
 
 @pytest.mark.parametrize("bag", [False, True], ids=["embedding", "embedding_bag"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: sparse=True embeddings crash in the first backward inside runtime/grads.py (copy_() between dense"
-    " and sparse tensors) instead of training like plain Lightning or being refused at setup",
-)
 def test_sparse_embedding_gradients_match_plain_or_are_refused_at_setup(bag: bool) -> None:
     ref = fit_steps(PlainSGDLM(lambda: SparseNet(bag)), "auto", steps=3)
     try:
@@ -1123,16 +1109,11 @@ def test_sparse_embedding_gradients_match_plain_or_are_refused_at_setup(bag: boo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "prune"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: CUDA, tight budget: a forward pre-hook registered before setup (nn.utils.weight_norm/spectral_norm/"
-    "prune) reads its module's parameters before the engine's pre-forward fetched the evicted chunk: cpu vs cuda:0",
-)
 def test_pre_hooks_with_evicted_chunks_on_cuda(kind: str) -> None:
     """On a CUDA device with chunks evicted to HOST, the hook computes the weight from parameters still pointing at
     the host copy, and the module's CUDA matmul refuses the CPU weight (observed on an H200, torch 2.11: 'Expected
     all tensors to be on the same device'). Registering the engine's pre-forward hook with ``prepend=True`` made
-    all three match plain Lightning there."""
+    all three match plain Lightning there (the engine's chunk pre-hook now runs first)."""
     ref = fit_steps(LM(lambda: PreHookedNet(kind)), "auto", steps=4, accelerator="cuda")
     strategy = PatrickStarStrategy(chunk_size=256, placement="static", device_memory_limit=3 * 256 * 4)
     got = fit_steps(LM(lambda: PreHookedNet(kind)), strategy, steps=4, accelerator="cuda")

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader
 
 from lightning_pstar import PatrickStarStrategy
+from lightning_pstar.runtime.grad_guard import GradientsInChunksError
 from lightning_pstar.runtime.parked import ParkedParameterError
 from tests.helpers import assert_states_close, assert_states_equal
 from tests.helpers.data import make_loader
@@ -181,13 +182,14 @@ class ZeroEveryOtherLM(TinyLM):
             optimizer.zero_grad()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the chunked optimizer zeroes gradients at the end of every step (optim/optimizer.py _step), so a"
-    " user optimizer_zero_grad that keeps gradients is silently ignored (losses = a run that always zeroes)",
-)
 def test_optimizer_zero_grad_override_keeping_gradients() -> None:
-    check_all_modes(ZeroEveryOtherLM, max_steps=5)
+    """An ``optimizer_zero_grad`` override zeroing every other batch: plain torch adds the last step's gradients to
+    the next step's. PatrickStar frees gradients at the step, so that step is refused before it changes anything
+    ([Note: gradients end with the step]; it silently stepped with one batch's gradients)."""
+    run(ZeroEveryOtherLM(), None, max_steps=5)
+    for mode in MODES:
+        with pytest.raises(RuntimeError, match=r"without `zero_grad\(\)` since the last step.*HINT"):
+            run(ZeroEveryOtherLM(), mode, max_steps=5)
 
 
 class ZeroGradCounter(TinyLM):
@@ -507,11 +509,6 @@ def test_lr_schedulers(plateau: bool) -> None:
             assert_same_metrics(only(logger, prefix), only(ref_logger, prefix), f"{name}: {prefix}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: LearningRateMonitor logs the engine's wrapper as another optimizer ('lr-ChunkedOptimizer/pg1'"
-    " beside 'lr-AdamW/pg1'; without a scheduler only 'lr-ChunkedOptimizer'): ChunkedOptimizer has no .optimizer",
-)
 @pytest.mark.parametrize("scheduler", [False, True], ids=["no-scheduler", "step-lr"])
 def test_learning_rate_monitor_logs_the_users_optimizer(scheduler: bool) -> None:
     """The metric names LearningRateMonitor logs are plain Lightning's (a dashboard keyed by them keeps working)."""
@@ -537,19 +534,15 @@ class GradNormLM(TinyLM):
         self.log_dict(grad_norm(self, norm_type=2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: p.grad is None in on_before_optimizer_step under patrickstar, so Lightning's grad_norm recipe"
-    " silently logs nothing (plain logs every norm); neither filled in nor refused",
-)
 def test_grad_norm_logged_in_on_before_optimizer_step() -> None:
-    logs = {}
-    for name, mode in (("plain", None), ("off", "off")):
-        logger = MetricsLogger()
-        run(GradNormLM(), mode, max_steps=3, logger=logger, log_every_n_steps=1)
-        logs[name] = logger
-    assert any("grad_2.0_norm_total" in m for _, m in logs["plain"].records)
-    assert_same_metrics(logs["off"], logs["plain"], "grad norms", rtol=1e-5)
+    """Lightning's documented recipe logs every gradient norm in plain Lightning. PatrickStar keeps gradients in
+    its chunks: reading ``p.grad`` there is refused, naming the parameter (it was silently None: nothing logged)."""
+    logger = MetricsLogger()
+    run(GradNormLM(), None, max_steps=3, logger=logger, log_every_n_steps=1)
+    assert any("grad_2.0_norm_total" in m for _, m in logger.records)
+    for mode in MODES:
+        with pytest.raises(GradientsInChunksError, match=r"net\..*HINT"):
+            run(GradNormLM(), mode, max_steps=3, logger=MetricsLogger(), log_every_n_steps=1)
 
 
 # ---- skipped and gradient-free batches ---------------------------------------------------------------------------
@@ -751,13 +744,12 @@ def test_manual_zero_grad_before_backward() -> None:
     check_all_modes(lambda: ManualNoZeroLM(1), max_steps=5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ChunkedOptimizer.step zeroes the gradients itself (optim/optimizer.py _step), so manual loops that"
-    " step without zero_grad silently lose the gradient sum plain torch keeps",
-)
 def test_manual_step_without_zero_grad_keeps_gradients() -> None:
-    check_all_modes(lambda: ManualNoZeroLM(2), max_steps=5)
+    """A manual loop that steps without ``zero_grad`` in between: refused at the second step, naming the fix."""
+    run(ManualNoZeroLM(2), None, max_steps=5)
+    for mode in MODES:
+        with pytest.raises(RuntimeError, match=r"without `zero_grad\(\)` since the last step.*HINT"):
+            run(ManualNoZeroLM(2), mode, max_steps=5)
 
 
 BUDGET = {"placement": "auto", "device_memory_limit": "600KiB", "chunk_size": 2048}
@@ -904,15 +896,15 @@ class OwnClippingLM(TinyLM):
         torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm=0.01)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: p.grad is None under patrickstar, so torch.nn.utils.clip_grad_norm_ in a configure_gradient_clipping"
-    " override clips nothing and training silently differs from plain Lightning (no error)",
-)
 def test_configure_gradient_clipping_override_with_torch_clip() -> None:
-    ref = run(OwnClippingLM(), None, max_steps=4)
-    got = run(OwnClippingLM(), "off", max_steps=4)
-    assert_like_plain(got, ref, "torch clip_grad_norm_ in configure_gradient_clipping")
+    """``torch.nn.utils.clip_grad_norm_`` in ``configure_gradient_clipping`` clips in plain Lightning; under
+    PatrickStar (gradients in chunks) it is refused, naming the parameter, before any step (it clipped nothing)."""
+    run(OwnClippingLM(), None, max_steps=4)
+    module = OwnClippingLM()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(GradientsInChunksError, match="HINT"):
+        run(module, "off", max_steps=4)
+    assert_states_equal(dict(module.state_dict()), before, what="weights after the refusal")
 
 
 class FreezeByGradLM(TinyLM):
@@ -925,15 +917,14 @@ class FreezeByGradLM(TinyLM):
             grad.zero_()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: p.grad is None in on_before_optimizer_step under patrickstar, so a hook that edits gradients is"
-    " silently a no-op (wpe trained as if the hook did nothing) instead of refused",
-)
 def test_gradient_edited_in_on_before_optimizer_step() -> None:
-    ref = run(FreezeByGradLM(), None, max_steps=4)
-    got = run(FreezeByGradLM(), "off", max_steps=4)
-    assert_like_plain(got, ref, "gradient zeroed in on_before_optimizer_step")
+    """Zeroing a gradient in ``on_before_optimizer_step``: plain Lightning's gradient is zeroed; PatrickStar's
+    stand-in ``p.grad`` refuses the edit, naming the parameter (the edit was silently a no-op)."""
+    run(FreezeByGradLM(), None, max_steps=4)
+    module = FreezeByGradLM()
+    with pytest.raises(GradientsInChunksError, match=r"wpe\.weight"):
+        run(module, "off", max_steps=4)
+    assert all(p.grad is None for p in module.parameters())  # no stand-in leaves with the model handed back
 
 
 # ---- loops the user writes ----------------------------------------------------------------------------------------
@@ -981,12 +972,6 @@ def test_two_optimizers_critic_steps_more_often() -> None:
     check_all_modes(CriticLM, modes=("pipeline", "auto"), max_steps=-1, max_epochs=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: under next_forward, toggle_optimizer after another optimizer's step raises ParkedParameterError"
-    " ('a parameter was read (getset_descriptor.__set__)'): setting requires_grad is refused as a value read"
-    " (runtime/parked.py _METADATA lacks requires_grad.__set__), mid-run instead of at setup",
-)
 def test_two_optimizers_critic_steps_more_often_next_forward() -> None:
     check_all_modes(CriticLM, modes=("next_forward",), max_steps=-1, max_epochs=1)
 
@@ -1108,12 +1093,6 @@ class FreezeAtEpoch1(L.Callback):
             pl_module.net.wpe.weight.requires_grad_(False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: under next_forward, requires_grad_(False) on a parameter whose step is in flight raises"
-    " ParkedParameterError ('a parameter was read (TensorBase.requires_grad_)'), though it reads no value"
-    " (runtime/parked.py _METADATA); off/pipeline/auto match plain Lightning",
-)
 def test_freezing_in_a_callback_next_forward() -> None:
     check_all_modes(TinyLM, modes=("next_forward",), max_steps=-1, max_epochs=2, callbacks=(FreezeAtEpoch1(),))
 
@@ -1209,20 +1188,27 @@ class AdamStateReader(L.Callback):
         self.by_state_dict.append(float(opt.state_dict()["state"][1]["exp_avg"].norm()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: optimizer.state[param] is an empty dict during training under patrickstar (the states live in"
-    " chunks; only state_dict() sees them): a monitor reading Adam moments silently gets nothing",
-)
 def test_adam_state_read_through_optimizer_state_during_training() -> None:
-    readers = {}
-    for name, mode in (("plain", None), ("off", "off")):
-        readers[name] = AdamStateReader()
-        run(TinyLM(), mode, max_steps=3, callbacks=(readers[name],))
-    ref, got = readers["plain"], readers["off"]
-    torch.testing.assert_close(got.by_state_dict, ref.by_state_dict, rtol=1e-5, atol=0)
-    assert None not in ref.by_param
-    torch.testing.assert_close(got.by_param, ref.by_param, rtol=1e-5, atol=0)
+    """A monitor reading Adam moments: ``optimizer.state_dict()`` gives plain Lightning's values; ``optimizer.state[p]``
+    (torch's mapping, empty here: the states live in chunks) is refused with a HINT to ``state_dict()`` (it was
+    silently an empty dict)."""
+    plain = AdamStateReader()
+    run(TinyLM(), None, max_steps=3, callbacks=(plain,))
+    assert None not in plain.by_param
+    with pytest.raises(RuntimeError, match=r"optimizer.state_dict\(\)"):
+        run(TinyLM(), "off", max_steps=3, callbacks=(AdamStateReader(),))
+    by_state_dict = StateDictReader()
+    run(TinyLM(), "off", max_steps=3, callbacks=(by_state_dict,))
+    torch.testing.assert_close(by_state_dict.values, plain.by_state_dict, rtol=1e-5, atol=0)
+
+
+class StateDictReader(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        opt = pl_module.optimizers().optimizer
+        self.values.append(float(opt.state_dict()["state"][1]["exp_avg"].norm()))
 
 
 def test_weights_only_checkpoints(tmp_path: Path) -> None:

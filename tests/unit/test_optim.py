@@ -82,6 +82,7 @@ class _Pair:
     def step(self, grads: dict[str, torch.Tensor]) -> None:
         self.feed(grads)
         self.opt.step()
+        self.opt.zero_grad()  # the feed replaces the gradients, as ``p.grad = ...`` does for the reference
         self.ref_opt.step()
 
     def assert_equal(self, *, atol: float = 0.0) -> None:
@@ -339,6 +340,7 @@ def test_clip_by_norm_matches_torch(dtype: torch.dtype) -> None:
         pair.feed(grads)
         pair.opt.gradient_policy.clip_norm = 1.0
         pair.opt.step()
+        pair.opt.zero_grad()
         total = torch.nn.utils.clip_grad_norm_(pair.reference.parameters(), 1.0)
         pair.ref_opt.step()
         assert pair.opt.last_step.total_norm == float(total)

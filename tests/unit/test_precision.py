@@ -49,6 +49,7 @@ def _step(plugin: PatrickStarPrecision, manager: ChunkManager, opt: ChunkedOptim
             manager.grad_ready(record, torch.full(record.slot.shape, grad * plugin.scale, dtype=manager.compute_dtype))
 
     plugin.optimizer_step(opt, model=None, closure=closure)  # type: ignore[arg-type]
+    opt.zero_grad()  # as Lightning's loop does between steps
 
 
 # ---- construction -----------------------------------------------------------------------------------------

@@ -118,7 +118,8 @@ def forward_backward(r: Rank, idx: torch.Tensor) -> None:
 
 
 def optimizer_step(r: Rank) -> None:
-    r.optimizer.step()  # its zero_grad discards the gradients (discard_grads)
+    r.optimizer.step()
+    r.optimizer.zero_grad()  # as Lightning's loop does between steps (discard_grads)
     r.manager.end_warmup_if_recording()  # after the first step: the ranks agree on prefetching (one MIN)
 
 

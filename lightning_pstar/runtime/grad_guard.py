@@ -1,0 +1,121 @@
+"""Gradients user code cannot see: ``p.grad`` between a backward and the optimizer step refuses to be used.
+
+[Note: gradients user code cannot see]
+The engine moves each parameter's gradient into its family's chunks as it lands and sets ``p.grad`` back to
+None ([Note: gradients land per family]); the step reads the chunks. Plain Lightning and plain Fabric leave the
+gradient in ``p.grad``, where user code between the backward and the step reads or edits it: an
+``on_after_backward`` / ``on_before_optimizer_step`` hook logging ``grad_norm(self, 2)``, a
+``configure_gradient_clipping`` calling ``torch.nn.utils.clip_grad_norm_``, a Fabric loop clipping or zeroing a
+gradient by hand. Against ``p.grad is None`` such code did nothing, silently: no norm logged, nothing clipped.
+So where such code can run (the Trainer: a gradient-reading hook is overridden in the LightningModule or a
+callback, manual optimization, several optimizers; Fabric: always, after ``fabric.backward``), each trainable
+parameter's ``p.grad`` holds a stand-in of its shape, dtype and device from the backward's end until the step
+(or ``zero_grad``, the next backward, an evaluation, the end of training) takes it away. ``p.grad is not None``
+holds as in plain PyTorch; any operation on the stand-in (a norm, an in-place edit, a copy) raises
+:class:`GradientsInChunksError` naming the parameter and the engine's own ways (Lightning's and Fabric's clipping,
+which the engine applies inside the step). Assigning ``p.grad`` a tensor of one's own is refused at the step the
+same way. The stand-in owns no memory (a zero-dimensional tensor expanded to the parameter's shape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["GradientsInChunksError", "GradGuard"]
+
+
+class GradientsInChunksError(RuntimeError):
+    """User code used ``p.grad`` of a parameter whose gradient lives in PatrickStar's chunks."""
+
+
+_HINT = (
+    " HINT: clip with `Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)`, `self.clip_gradients(...)` in"
+    " `configure_gradient_clipping` or `fabric.clip_gradients(...)` (the engine clips inside the step;"
+    " `fabric.clip_gradients` returns the global norm), and read or change gradients only through them; otherwise"
+    " use another strategy for this model."
+)
+
+_METADATA = frozenset(
+    {
+        torch.Tensor.shape.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.dtype.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.device.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.ndim.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.layout.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.is_sparse.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.__hash__,
+    }
+)
+
+
+class _ChunkGrad(torch.Tensor):
+    """The stand-in ``p.grad``: metadata reads work, every other operation raises."""
+
+    _pstar_name: str = "?"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        flat = [b for a in args for b in (a if isinstance(a, (list, tuple)) else (a,))]
+        names = [a._pstar_name for a in flat if isinstance(a, _ChunkGrad)] or ["?"]
+        what = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+        raise GradientsInChunksError(
+            f"PatrickStar keeps gradients in its chunks, not in `p.grad`: the gradient of '{names[0]}' was used"
+            f" ({what}) between the backward and the optimizer step (a hook such as `on_after_backward`,"
+            " `on_before_optimizer_step` or `configure_gradient_clipping`, or code between `backward` and"
+            " `optimizer.step()`), where it would have read or changed nothing." + _HINT
+        )
+
+
+class GradGuard:
+    """Puts stand-ins into ``p.grad`` of the given parameters and takes them away again."""
+
+    def __init__(self) -> None:
+        self._stand_ins: dict[int, _ChunkGrad] = {}  # id(param) -> its stand-in (reused while it fits)
+        self._guarded: list[tuple[torch.Tensor, _ChunkGrad]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._guarded)
+
+    def install(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Give every parameter in ``params`` (name, parameter) that needs a gradient and holds none a stand-in."""
+        for name, param in params:
+            if not param.requires_grad or param.grad is not None:
+                continue
+            stand_in = self._stand_ins.get(id(param))
+            if stand_in is None or stand_in.dtype != param.dtype or stand_in.device != param.device:
+                base = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+                stand_in = base.as_subclass(_ChunkGrad)
+                stand_in._pstar_name = name
+                self._stand_ins[id(param)] = stand_in
+            param.grad = stand_in
+            self._guarded.append((param, stand_in))
+
+    def remove(self, *, check: bool = True) -> None:
+        """Take the stand-ins away (the step, ``zero_grad``, the next backward ...). ``check``: refuse a ``p.grad``
+        the user assigned meanwhile (the step would not read it)."""
+        guarded, self._guarded = self._guarded, []
+        assigned = []
+        for param, stand_in in guarded:
+            grad = param.grad
+            if grad is stand_in:
+                param.grad = None
+            elif grad is not None:
+                assigned.append(stand_in._pstar_name)
+                param.grad = None
+        if assigned and check:
+            raise GradientsInChunksError(
+                f"PatrickStar keeps gradients in its chunks, not in `p.grad`: `p.grad` of {assigned[:3]} was assigned"
+                " between the backward and the optimizer step, and the step would not read it." + _HINT
+            )
