@@ -132,7 +132,11 @@ class RecordingModule(L.LightningModule):
         return loss
 
     def record_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # plain DDP: the global norm Lightning clips by (PatrickStar keeps gradients in its chunks)
+        # plain DDP: the global norm Lightning clips by (PatrickStar keeps gradients in its chunks: its p.grad is a
+        # stand-in that refuses to be read, [Note: gradients user code cannot see] in runtime/grad_guard.py)
+        if getattr(self.trainer.strategy, "strategy_name", "").startswith("patrickstar"):
+            self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+            return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
             self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
