@@ -412,3 +412,19 @@ def test_auto_switching_schedules_mid_run_keeps_the_bits(
         runs.append(fit_steps(_gpt(), strategy, precision=precision, steps=steps, **kwargs))
     assert runs[1].losses == runs[0].losses
     assert_states_equal(runs[1].final, runs[0].final, what=f"auto against off, {precision}, {kwargs}")
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_accumulation_steps_through_the_pipeline(precision: str) -> None:
+    """With gradient accumulation (what the GPU check and fine-tuning run), every host family's step is a job of
+    the step pipeline, as without accumulation."""
+    strategy = PatrickStarStrategy(optimizer_overlap="pipeline", **HOST)
+    fit_steps(_gpt(), strategy, steps=4, precision=precision, accumulate_grad_batches=4)
+    report = strategy.memory_report()
+    if precision == "bf16-mixed" and report.host_step_jobs == 0:
+        pytest.xfail(
+            "known gap (found by the first GPU run, 2026-12-04): in mixed precision with accumulation a family's"
+            " gradient is the param slot's plus the fp32 sums in its GRAD chunk, which the pipelined job does not"
+            " take (grads_in_place in optim/host_step.py), so every family steps serially"
+        )
+    assert report.host_step_jobs > 0, report
