@@ -351,7 +351,8 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     def guard_user_grads(self) -> None:
         """The backward is over and user code may use ``p.grad`` before the step: it gets stand-ins that refuse
         ([Note: gradients user code cannot see] in runtime/grad_guard.py). Called by the precision plugin."""
-        if self._manager is not None and not nothing_reads_gradients(self.lightning_module, self.optimizers):
+        module, optimizers = self.lightning_module, self.optimizers  # Lightning's clipping reads no p.grad
+        if self._manager is not None and not nothing_reads_gradients(module, optimizers, but_clipping_by_norm=True):
             self._manager.guard_user_grads()
 
     @override

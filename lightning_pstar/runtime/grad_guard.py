@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from lightning_pstar.runtime.parked import TENSOR_METADATA
+
 __all__ = ["GradientsInChunksError", "GradGuard"]
 
 
@@ -38,23 +40,6 @@ _HINT = (
     " use another strategy for this model."
 )
 
-_METADATA = frozenset(
-    {
-        torch.Tensor.shape.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.dtype.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.device.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.ndim.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.layout.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.is_sparse.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.size,
-        torch.Tensor.dim,
-        torch.Tensor.numel,
-        torch.Tensor.__hash__,
-    }
-)
-
 
 class _ChunkGrad(torch.Tensor):
     """The stand-in ``p.grad``: metadata reads work, every other operation raises."""
@@ -63,7 +48,7 @@ class _ChunkGrad(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _METADATA:
+        if func in TENSOR_METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         flat = [b for a in args for b in (a if isinstance(a, (list, tuple)) else (a,))]

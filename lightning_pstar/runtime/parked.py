@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import torch
 
-__all__ = ["ParkedParameterError", "is_parked", "park", "unpark"]
+__all__ = ["TENSOR_METADATA", "ParkedParameterError", "is_parked", "park", "unpark"]
 
 
 # [Note: parked parameters]
@@ -23,31 +23,36 @@ __all__ = ["ParkedParameterError", "is_parked", "park", "unpark"]
 # operation that reads values (metadata such as shape, dtype or device stays readable), with an error naming the
 # operation and what to do; the job's end restores the class before anything else touches the parameter. torch
 # swaps a parameter's class the same way when it materialises an ``UninitializedParameter``.
-_METADATA = frozenset(
+# what a tensor says about itself without reading a value: also the stand-in gradients' allowed reads
+# ([Note: gradients user code cannot see] in runtime/grad_guard.py)
+TENSOR_METADATA = frozenset(
     {
         torch.Tensor.shape.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.dtype.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.device.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        # freezing or unfreezing reads no value (``toggle_optimizer``, a callback freezing a layer mid-run)
-        torch.Tensor.requires_grad.__set__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.requires_grad_,
         torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor.grad.__set__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.ndim.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.layout.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
-        torch.Tensor._version.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.is_sparse.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.size,
         torch.Tensor.dim,
         torch.Tensor.numel,
-        torch.Tensor.stride,
-        torch.Tensor.element_size,
-        torch.Tensor.is_contiguous,
-        torch.Tensor.data_ptr,
         torch.Tensor.__hash__,
     }
 )
+_METADATA = TENSOR_METADATA | {
+    # freezing or unfreezing reads no value (``toggle_optimizer``, a callback freezing a layer mid-run)
+    torch.Tensor.requires_grad.__set__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+    torch.Tensor.requires_grad_,
+    torch.Tensor.grad.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+    torch.Tensor.grad.__set__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+    torch.Tensor._version.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+    torch.Tensor.stride,
+    torch.Tensor.element_size,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.data_ptr,
+}
 _PARKED: dict[type, type] = {}
 
 
