@@ -5,6 +5,16 @@ The job runs the whole-family Adam of the serial step (``SerialFamilyStep._step_
 :mod:`lightning_pstar.runtime.pipeline` for what makes it bitwise the serial step. :func:`host_job` builds it on
 the calling thread (every piece of bookkeeping before the stages run), or returns None where the family does not
 step this way (the caller then runs the serial step).
+
+[Note: gradient parts]
+In mixed precision a record's gradient may have two parts: this micro-batch's, in the compute dtype in its param slot
+(chunk reuse), and an fp32 sum in the GRAD chunk, of the earlier micro-batches of an accumulation (one rank) or of
+every micro-batch (several ranks, where a reduced gradient is added to the sum). The step reads their sum,
+``slot.float() + sum`` (:func:`~lightning_pstar.optim.grads.family_grads`). The job's Adam stage builds the same
+values into its fp32 scratch (:class:`GradParts`): the slot converted from the host copy its D2H stage made, then the
+sum added, elementwise the same two roundings as the serial step's, so an accumulated step is as bitwise the serial
+step as one without accumulation. A record with no gradient at all does not step (its step count stays), which
+only the record-by-record serial step does: such a family steps serially.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +37,7 @@ from lightning_pstar.runtime.parked import ParkedParameterError, park, unpark
 from lightning_pstar.runtime.pipeline import HostJob
 from lightning_pstar.runtime.state import Tier
 
-__all__ = ["ParkedParameterError", "grads_in_place", "host_job", "park", "snapshot_groups", "unpark"]
+__all__ = ["GradParts", "ParkedParameterError", "grads_in_place", "host_job", "park", "snapshot_groups", "unpark"]
 
 
 def snapshot_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -48,6 +59,55 @@ def grads_in_place(family: ChunkFamily, *, mixed: bool) -> bool:
         if (not in_slot or in_grad_chunk) if mixed else not in_grad_chunk:
             return False
     return True
+
+
+@dataclass(frozen=True)
+class GradParts:
+    """Where the parts of a mixed-precision family's gradients are, record by record ([Note: gradient parts]):
+    ``in_slot[i]``, this micro-batch's gradient in the compute dtype in the param slot; ``summed[i]``, the fp32
+    sum of earlier micro-batches (or, at several ranks, of every micro-batch) in the GRAD chunk."""
+
+    in_slot: tuple[bool, ...]
+    summed: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, family: ChunkFamily) -> GradParts | None:
+        """The parts of ``family``'s gradients, or None where a record has no gradient (it does not step, which
+        only the record-by-record step knows how to skip)."""
+        in_slot = tuple(r.grad_in_param_slot for r in family.records)
+        summed = tuple(r.grad_in_grad_chunk for r in family.records)
+        if not all(a or b for a, b in zip(in_slot, summed, strict=True)):
+            return None
+        return cls(in_slot, summed)
+
+    def build(self, plan: WholeFamilyPlan, out: torch.Tensor, slots: torch.Tensor, sums: torch.Tensor | None) -> None:
+        """Write the fp32 gradients of ``plan``'s range into ``out``: ``slots`` is the param chunk's buffer (its
+        compute-dtype copy on the host), ``sums`` the GRAD chunk's. Per element exactly what
+        :func:`~lightning_pstar.optim.grads.family_grads` computes: ``slot.float().add_(sum)``, the slot alone
+        converted, or a copy of the sum."""
+        start, end = plan.start, plan.end
+        any_sum = any(self.summed)
+        if all(self.in_slot) and (all(self.summed) or not any_sum):  # one range op each (the usual cases)
+            out.copy_(slots[start:end])  # exactly Tensor.float()
+            if any_sum:
+                assert sums is not None
+                out.add_(sums[start:end])
+            return
+        if not any(self.in_slot) and all(self.summed):
+            assert sums is not None
+            out.copy_(sums[start:end])
+            return
+        outs, slot_views = plan.range_slots(out), plan.slots(slots)
+        sum_views = plan.slots(sums) if sums is not None else [None] * len(outs)
+        for target, slot, total, in_slot, summed in zip(
+            outs, slot_views, sum_views, self.in_slot, self.summed, strict=True
+        ):
+            if in_slot:
+                target.copy_(slot)
+                if summed:
+                    target.add_(total)
+            else:
+                target.copy_(total)
 
 
 def host_job(
@@ -74,10 +134,15 @@ def host_job(
     disk = residency.disk if tier is Tier.DISK else None
     if tier is not Tier.HOST and disk is None or chunk.tier is not Tier.DEVICE:
         return None
-    if not grads_in_place(family, mixed=mixed):
-        return None
     grad_chunk = family.chunks.get(ChunkKind.GRAD)
-    if not mixed and (grad_chunk is None or grad_chunk.tier is not Tier.HOST):
+    parts: GradParts | None = None
+    if mixed:
+        parts = GradParts.of(family)
+        if parts is None:
+            return None
+        if any(parts.summed) and (grad_chunk is None or grad_chunk.tier is not Tier.HOST):
+            return None  # the sums are on the device (an undeclared accumulation that fit there): serial step
+    elif not grads_in_place(family, mixed=False) or grad_chunk is None or grad_chunk.tier is not Tier.HOST:
         return None
     master_chunk = family.chunks.get(ChunkKind.MASTER)
     if mixed and (master_chunk is None or master_chunk.tier is not tier):
@@ -93,16 +158,16 @@ def host_job(
     device = chunk.device_buffer
     states = (family.chunks[ChunkKind.EXP_AVG].data, family.chunks[ChunkKind.EXP_AVG_SQ].data)
     master = master_chunk.data if mixed and master_chunk is not None else host
-    grads_32 = grad_chunk.data if grad_chunk is not None and not mixed else None
+    grads_32 = grad_chunk.data if grad_chunk is not None else None  # 32-true: the gradients; mixed: the sums
     copies = _Copies(device, host, skip_out=current, streams=streams)
     numel = plan.end - plan.start
 
     def adam(scratch: torch.Tensor) -> None:
         for read in reads:
             read.result()
-        if mixed:
+        if parts is not None:
             grad_range = scratch
-            grad_range.copy_(host[plan.start : plan.end])  # exactly Tensor.float(), into the stage's scratch
+            parts.build(plan, grad_range, host, grads_32)
             if inv_scale != 1.0:
                 grad_range.mul_(inv_scale)
         else:

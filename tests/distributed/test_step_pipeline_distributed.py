@@ -33,7 +33,14 @@ def test_pipelined_step_matches_the_serial_step_at_two_ranks(precision: str, tmp
         RunSpec(tag=f"clip-{mode}", save_checkpoint=True, options={**host, "optimizer_overlap": mode}, **clipped)
         for mode in ("off", "pipeline")
     ]
-    run_ranks(fit_in_rank, 2, [*specs, *clip_specs])
+    # bf16-mixed with accumulation: every reduced gradient is added to the fp32 sum in the GRAD chunk, which the jobs
+    # read ([Note: gradient parts] in optim/host_step.py)
+    summed = {**common, "accumulate": 2, "steps": 6}
+    sum_specs = [
+        RunSpec(tag=f"acc-{mode}", save_checkpoint=True, options={**host, "optimizer_overlap": mode}, **summed)
+        for mode in ("off", "pipeline")
+    ]
+    run_ranks(fit_in_rank, 2, [*specs, *clip_specs, *sum_specs])
 
     for spec in specs[1:]:
         reports = _same_as_serial(specs[0], spec)
@@ -43,6 +50,8 @@ def test_pipelined_step_matches_the_serial_step_at_two_ranks(precision: str, tmp
     assert chosen[0] in ("pipeline", "serial") and chosen == [chosen[0]] * 2, chosen  # the ranks agree
     for report in _same_as_serial(*clip_specs):
         assert report["host_steps_in_backward"] == 0 and report["host_norms_in_backward"] > 0, report
+    for report in _same_as_serial(*sum_specs):
+        assert report["host_step_jobs"] > 0 and report["host_steps_in_backward"] > 0, report
 
 
 def _same_as_serial(serial_spec: RunSpec, spec: RunSpec) -> list[dict]:
