@@ -15,6 +15,7 @@ import torch
 
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.disk_tier import disk_loaded
+from lightning_pstar.runtime.new_storage import adopt_new_storage
 from lightning_pstar.runtime.outside_writes import check_outside_writes
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.state import Tier
@@ -61,6 +62,7 @@ def family_values(manager: ChunkManager, family: ChunkFamily, *, rank0_only: boo
     """The fp32 truth of a whole family (1-D, capacity), from its owner on every rank, or only on rank 0
     with ``rank0_only`` (a collective when there are several ranks; on one rank a view of the chunk)."""
     manager.finish_steps()  # a step in flight ends first ([Note: the step pipeline] in runtime/pipeline.py)
+    adopt_new_storage(manager, family.records)  # [Note: parameters given new storage]
     if manager.mixed and not manager.sharding.distributed:  # a write the masters lack is refused, not dropped
         check_outside_writes(family.records, disk=manager.disk, in_flight=manager.pipeline.in_flight)
     owns = manager.owns(family)

@@ -39,6 +39,7 @@ from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.disk_tier import DiskTier
 from lightning_pstar.runtime.family import ChunkFamily
 from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.new_storage import adopt_new_storage
 from lightning_pstar.runtime.pipeline import HostJob
 
 __all__ = ["ChunkedOptimizer", "GradientPolicy", "NonFiniteStepError", "SUPPORTED_OPTIMIZERS", "StepResult"]
@@ -186,6 +187,9 @@ class ChunkedOptimizer(Optimizer):
         families = self._families_with_grads()
         if self._zeroed_by_step[0] and families:
             self._refuse_sum_across_steps(families)
+        # a weight given new storage since the backward is what this step updates ([Note: parameters given new
+        # storage] in runtime/new_storage.py)
+        adopt_new_storage(manager, [r for f in families if f.family_id not in early for r in f.records])
         with torch.profiler.record_function("pstar::optimizer_step"):
             self.last_step = StepResult()
             read, self._read_norm = self._read_norm, None

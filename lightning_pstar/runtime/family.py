@@ -58,6 +58,9 @@ class ParamRecord:
     that follows is the engine's, not a write: [Note: gradients land per family] in ``grads.py``)."""
     waiting: bool = False
     """Its final gradient waits for the rest of its family's ([Note: gradients land per family] in ``grads.py``)."""
+    pointed: int = -1
+    """The address the engine last pointed the parameter at ([Note: parameters given new storage] in
+    ``new_storage.py``)."""
     known_version: int = -1
     """Mixed precision: the parameter's version counter when the engine last knew its slot to equal its fp32
     master in the compute dtype ([Note: writes outside a forward] in ``outside_writes.py``)."""

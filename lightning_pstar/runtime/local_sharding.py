@@ -64,3 +64,7 @@ class LocalSharding:
 
     def point_at_poison(self, record: ParamRecord) -> None:  # pragma: no cover - every family is owned here
         raise AssertionError("one rank owns every chunk")
+
+    def poison_ptrs(self) -> set[int]:
+        """Addresses of the NaN views remote parameters point at: none here."""
+        return set()

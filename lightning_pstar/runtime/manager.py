@@ -39,6 +39,7 @@ from lightning_pstar.runtime.family import (
 from lightning_pstar.runtime.grad_guard import GradGuard
 from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.materialise import Materialiser
+from lightning_pstar.runtime.new_storage import adopt_new_storage
 from lightning_pstar.runtime.outside_writes import check_outside_writes, note_versions
 from lightning_pstar.runtime.pipeline import StepPipeline
 from lightning_pstar.runtime.placement import PlacementPolicy
@@ -267,6 +268,7 @@ class ChunkManager:
         if _graph_task() >= 0:  # recomputed inside a backward (activation checkpointing)
             self.recomputes = True
             steps_in_flight.refuse_early_read(self, records)
+        adopt_new_storage(self, records)  # [Note: parameters given new storage]
         if self.mixed and not self.sharding.distributed:  # [Note: writes outside a forward]
             check_outside_writes(records, disk=self.disk, in_flight=self.pipeline.in_flight)
         self.access(records, _COMPUTE, moment, module=index)

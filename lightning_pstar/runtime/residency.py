@@ -18,6 +18,7 @@ from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
 from lightning_pstar.runtime.disk_tier import DISK_KINDS, DiskTier
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.inflight import EvictionsInFlight
+from lightning_pstar.runtime.new_storage import keep_new_storage
 from lightning_pstar.runtime.parked import park, unpark
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.placement import PlacementPolicy
@@ -89,6 +90,11 @@ class Residency:
         # allows, so that evicting them again copies nothing
         self.clean_evictions = True
         self.step_open = False  # an optimizer step runs: fetches keep no host copy (it writes the chunks)
+        # [Note: parameters given new storage] in new_storage.py: values user code gave parameters that a fetch or an
+        # eviction re-pointed before they were adopted (record index -> record, value), and the addresses of storages
+        # the engine points parameters at outside the chunks (several ranks: the NaN views of released chunks)
+        self.kept_values: dict[int, tuple[ParamRecord, torch.Tensor]] = {}
+        self.shared_ptrs: Callable[[], set[int]] = set
         self._param_versions: dict[int, tuple[int, ...]] = {}  # family -> its parameters' versions at fetch
         # bytes copied by chunk moves: at the start of the current iteration, and in the last whole one
         self._iteration_mark: int | None = None
@@ -157,6 +163,8 @@ class Residency:
         param slot holds the gradient (mixed precision, between backward and the step) the parameter
         points at its fp32 master instead, so that reading it gives the weight, never the gradient.
         """
+        if record.pointed >= 0 and record.param.data_ptr() != record.pointed:
+            keep_new_storage(self, record)  # [Note: parameters given new storage] in new_storage.py
         chunks = record.family.chunks
         chunk = chunks[_PARAM]
         if record.grad_in_param_slot:
@@ -164,13 +172,17 @@ class Residency:
         if self.disk is not None:  # a master on disk: the parameter stays at its slot, parked ([Note: disk families])
             unpark(record.param)
             if chunk.tier is Tier.DISK:
-                record.param.data = chunks[_PARAM].buffer_view(record.slot)
+                view = chunks[_PARAM].buffer_view(record.slot)
+                record.param.data = view
+                record.pointed = view.data_ptr()  # [Note: parameters given new storage] in new_storage.py
                 park([record.param])
                 return
         if chunk.pending and chunk.tier is _DEVICE:  # never into bytes still being copied: once the copy is waited on
             chunk.on_landed(lambda: self._point_family(record.family))  # ([Note: fetch and prefetch], lookahead.py)
             return
-        record.param.data = chunk.buffer_view(record.slot)  # taken once per buffer: [Note: cached views]
+        view = chunk.buffer_view(record.slot)  # taken once per buffer: [Note: cached views]
+        record.param.data = view
+        record.pointed = view.data_ptr()  # [Note: parameters given new storage] in new_storage.py
 
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
         """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.

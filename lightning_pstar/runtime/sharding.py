@@ -84,6 +84,7 @@ from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.group_gather import GroupGather, pack_bucket, unpack_bucket
 from lightning_pstar.runtime.local_sharding import LocalSharding
 from lightning_pstar.runtime.model_agreement import agree_on_model
+from lightning_pstar.runtime.new_storage import keep_new_storage
 from lightning_pstar.runtime.reduction import GroupReducer
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import TensorState, Tier
@@ -116,6 +117,7 @@ class GroupCoordinator:
     ) -> None:
         self.families = families
         self.residency = residency
+        residency.shared_ptrs = self.poison_ptrs  # [Note: parameters given new storage] in new_storage.py
         self.grads = grads
         self.compute_dtype = compute_dtype
         self.device = residency.device
@@ -162,12 +164,19 @@ class GroupCoordinator:
     # ---- parameters of released chunks ------------------------------------------------------------------
     def point_at_poison(self, record: ParamRecord) -> None:
         """A released remote chunk has no bytes here: its parameters read as NaN (never as stale weights)."""
+        if record.pointed >= 0 and record.param.data_ptr() != record.pointed:
+            keep_new_storage(self.residency, record)  # [Note: parameters given new storage] in new_storage.py
         shape = record.slot.shape
         view = self._poison.get(shape)
         if view is None:  # one expanded view per shape, made once (a release re-points every remote parameter)
             one = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
             view = self._poison[shape] = one.expand(shape)
         record.param.data = view
+        record.pointed = view.data_ptr()  # [Note: parameters given new storage] in new_storage.py
+
+    def poison_ptrs(self) -> set[int]:
+        """Addresses of the storages of the NaN views remote parameters point at."""
+        return {view.untyped_storage().data_ptr() for view in self._poison.values()}
 
     # ---- passes -----------------------------------------------------------------------------------------
     def _start_sweep(self, order: Iterable[int], *, backward: bool) -> None:
