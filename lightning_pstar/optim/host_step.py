@@ -97,11 +97,9 @@ class GradParts:
             assert sums is not None
             out.copy_(sums[start:end])
             return
-        outs, slot_views = plan.range_slots(out), plan.slots(slots)
-        sum_views = plan.slots(sums) if sums is not None else [None] * len(outs)
-        for target, slot, total, in_slot, summed in zip(
-            outs, slot_views, sum_views, self.in_slot, self.summed, strict=True
-        ):
+        assert sums is not None  # some records have a sum and some a slot gradient only
+        views = zip(plan.range_slots(out), plan.slots(slots), plan.slots(sums), strict=True)
+        for (target, slot, total), in_slot, summed in zip(views, self.in_slot, self.summed, strict=True):
             if in_slot:
                 target.copy_(slot)
                 if summed:
