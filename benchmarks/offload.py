@@ -100,50 +100,61 @@ class PhaseTimer(L.Callback):
         if self.marks:
             self.marks[-1]["next"] = time.perf_counter()
 
-    def medians(self, skip: int) -> dict[str, float]:
-        rows = [m for m in self.marks[skip:] if {"start", "backward", "after", "next"} <= set(m)]
+    def medians(self, skip: int, window: int = 1) -> dict[str, float]:
+        """Median milliseconds per optimizer step after the first ``skip`` steps, each step a window of ``window``
+        micro-batches (gradient accumulation): its forwards and backwards summed, its step phase the last
+        micro-batch's (batch end to the next batch's start; the accumulating ones' are the loop's own)."""
+        marks = self.marks[skip * window :]
+        keys = {"start", "backward", "after", "next"}
+        windows = [marks[i : i + window] for i in range(0, len(marks) - window + 1, window)]
+        rows = [w for w in windows if all(keys <= set(m) for m in w)]
         if not rows:
             raise SystemExit("no measured step: raise --steps above --warmup")
 
         def median_ms(a: str, b: str) -> float:
-            return 1e3 * statistics.median(m[b] - m[a] for m in rows)
+            return 1e3 * statistics.median(sum(m[b] - m[a] for m in w) for w in rows)
 
         return {
-            "step_ms": median_ms("start", "next"),
+            "step_ms": 1e3 * statistics.median(w[-1]["next"] - w[0]["start"] for w in rows),
             "forward_ms": median_ms("start", "backward"),
             "backward_ms": median_ms("backward", "after"),
-            "step_phase_ms": median_ms("after", "next"),
+            "step_phase_ms": 1e3 * statistics.median(w[-1]["next"] - w[-1]["after"] for w in rows),
         }
 
 
 class StageProbe(L.Callback):
     """At the end of training, each trainable family's pipeline stages timed alone (see the module docstring)."""
 
-    def __init__(self, repeats: int) -> None:
+    def __init__(self, repeats: int, accumulate: int = 1) -> None:
         self.repeats = repeats
+        self.accumulate = accumulate
         self.stages: dict[str, float] = {}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         manager: ChunkManager = trainer.strategy._manager  # type: ignore[attr-defined]
         optimizer = trainer.optimizers[0]
         groups = optimizer.param_groups
-        totals = {"d2h_ms": [], "adam_ms": [], "h2d_ms": []}  # type: dict[str, list[float]]
+        totals = {"d2h_ms": [], "adam_ms": [], "h2d_ms": [], "sums_ms": []}  # type: dict[str, list[float]]
         for _ in range(self.repeats):
-            d2h = adam = h2d = 0.0
+            d2h = adam = h2d = sums = 0.0
             for family in manager.families:
                 if not family.trainable or ChunkKind.EXP_AVG not in family.chunks:
                     continue
-                a, b, c = _family_stages(manager, family, groups)
-                d2h, adam, h2d = d2h + a, adam + b, h2d + c
+                a, b, c, d = _family_stages(manager, family, groups)
+                d2h, adam, h2d, sums = d2h + a, adam + b, h2d + c, sums + d
             totals["d2h_ms"].append(1e3 * d2h)
             totals["adam_ms"].append(1e3 * adam)
             totals["h2d_ms"].append(1e3 * h2d)
+            totals["sums_ms"].append(1e3 * sums * (self.accumulate - 1))  # one sum per accumulating micro-batch
         self.stages = {k: statistics.median(v) for k, v in totals.items()}
 
 
-def _family_stages(manager: ChunkManager, family: Any, groups: list[dict[str, Any]]) -> tuple[float, float, float]:
+def _family_stages(
+    manager: ChunkManager, family: Any, groups: list[dict[str, Any]]
+) -> tuple[float, float, float, float]:
     """Seconds of the three stages of one family's pipelined step, on copies of its chunks (nothing of the run's
-    state changes): the same ops on the same sizes as ``optim/host_step.py``'s job."""
+    state changes): the same ops on the same sizes as ``optim/host_step.py``'s job; and of one accumulating
+    micro-batch's sum of its gradients into an fp32 buffer on the host (``runtime/grads.py``)."""
     chunk = family.param_chunk
     device = chunk.data.clone()  # the bytes where they are now (after a serial step: the host)
     host = torch.empty_like(device)
@@ -171,11 +182,14 @@ def _family_stages(manager: ChunkManager, family: Any, groups: list[dict[str, An
     start = time.perf_counter()
     device.copy_(host)
     t_h2d = time.perf_counter() - start
-    return t_d2h, t_adam, t_h2d
+    start = time.perf_counter()
+    grads_32.add_(device[plan.start : plan.end])
+    t_sum = time.perf_counter() - start
+    return t_d2h, t_adam, t_h2d, t_sum
 
 
 def _loader(args: argparse.Namespace) -> DataLoader:
-    n = (args.steps + 1) * args.batch_size
+    n = (args.steps + 1) * args.batch_size * args.accumulate
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(0, args.vocab, (n, args.block), generator=generator)
     return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=args.batch_size)
@@ -190,7 +204,7 @@ def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, 
     timer = PhaseTimer()
     timer.attach(strategy)
     callbacks: list[L.Callback] = [timer]
-    stage_probe = StageProbe(args.probe_repeats) if probe else None
+    stage_probe = StageProbe(args.probe_repeats, args.accumulate) if probe else None
     if stage_probe is not None:
         callbacks.append(stage_probe)
     trainer = L.Trainer(
@@ -199,6 +213,7 @@ def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, 
         strategy=strategy,
         precision=args.precision,
         max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip if clip else None,
         callbacks=callbacks,
         **QUIET_TRAINER,
@@ -210,8 +225,9 @@ def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, 
         "placement": placement,
         "overlap": overlap,
         "clip": clip,
-        **timer.medians(args.warmup),
+        **timer.medians(args.warmup, args.accumulate),
         "host_step_jobs": report.host_step_jobs,
+        "host_sums_in_backward": report.host_sums_in_backward,
         "host_steps_in_backward": report.host_steps_in_backward,
         "host_copies_back_in_backward": report.host_copies_back_in_backward,
         "schedule": report.optimizer_schedule,
@@ -260,16 +276,17 @@ def _targets(
     compute: dict[str, Any], stages: dict[str, float], runs: list[dict[str, Any]], headroom: float
 ) -> list[dict[str, Any]]:
     f, b = compute["forward_ms"], compute["backward_ms"]
-    adam, transfers = stages["adam_ms"], stages["d2h_ms"] + stages["h2d_ms"]
+    # host work: Adam, and the sums of the accumulating micro-batches' gradients (none without accumulation)
+    adam, transfers = stages["adam_ms"] + stages.get("sums_ms", 0.0), stages["d2h_ms"] + stages["h2d_ms"]
     serial = {run["clip"]: run["step_ms"] for run in runs if run["overlap"] == "off"}
     rows = []
     for run in runs:
         if run["overlap"] == "off":
             continue
         if run["clip"]:
-            bound, what = b + max(f, adam), "backward + max(forward, adam)"
+            bound, what = b + max(f, adam), "backward + max(forward, host work)"
         else:
-            bound, what = max(f + b, adam, transfers), "max(compute, adam, transfers)"
+            bound, what = max(f + b, adam, transfers), "max(compute, host work, transfers)"
         rows.append(
             {
                 "overlap": run["overlap"],
@@ -298,6 +315,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--block", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument(
+        "--accumulate", type=int, default=1, help="micro-batches per optimizer step (accumulate_grad_batches)"
+    )
     parser.add_argument("--chunk-size", type=int, default=2**22, help="elements per chunk")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     parser.add_argument("--steps", type=int, default=38)
@@ -324,7 +344,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bandwidth = copy_bandwidths()
     headroom = bandwidth["two_threads_gbps"] / bandwidth["one_thread_gbps"]
     result = {
-        "model": {k: getattr(args, k) for k in ("n_layer", "n_embd", "block", "batch_size", "precision", "chunk_size")},
+        "model": {
+            k: getattr(args, k)
+            for k in ("n_layer", "n_embd", "block", "batch_size", "accumulate", "precision", "chunk_size")
+        },
         "threads": args.threads,
         "load_average": os.getloadavg(),
         "num_params": compute["num_params"],
@@ -346,7 +369,7 @@ def _print(result: dict[str, Any]) -> None:
     print(f"\n{result['num_params']:,} parameters, {result['model']}, {result['threads']} thread(s); load {load}")
     print("stages alone (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in {
         "forward": compute["forward_ms"], "backward": compute["backward_ms"],
-        "d2h": stages["d2h_ms"], "adam": stages["adam_ms"], "h2d": stages["h2d_ms"],
+        "d2h": stages["d2h_ms"], "adam": stages["adam_ms"], "h2d": stages["h2d_ms"], "sums": stages["sums_ms"],
     }.items()))  # fmt: skip
     print(f"optimizer on the device: step {compute['step_ms']:.1f} ms")
     bw = result["copy_bandwidth"]
@@ -355,10 +378,14 @@ def _print(result: dict[str, Any]) -> None:
         f" ({bw['two_threads_gbps'] / bw['one_thread_gbps']:.2f}x: the most memory-bound stages can overlap here)"
     )
 
-    print("| clip | overlap | runs | step ms | forward | backward | step phase | in backward (copied back) / jobs |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| clip | overlap | runs | step ms | forward | backward | step phase | in backward (copied back) / jobs"
+        " | sums aside |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in result["runs"]:
         jobs = f"{r['host_steps_in_backward']} ({r['host_copies_back_in_backward']}) / {r['host_step_jobs']}"
+        jobs += f" | {r['host_sums_in_backward']}"
         trials = ", ".join(f"{k} {v:.1f}" for k, v in r["trial_ms"].items())
         runs = r["schedule"] + (f" (trials: {trials})" if trials else "")
         print(

@@ -105,6 +105,7 @@ class MemoryReport:
     host_steps_in_backward: int = 0  # ... of which started during the backward
     host_copies_back_in_backward: int = 0  # ... of which copied back during it (see optim/overlap.py)
     host_norms_in_backward: int = 0  # families whose gradient norms (clipping) were computed during the backward
+    host_sums_in_backward: int = 0  # families' accumulated gradients summed on a host lane during the backward
     step_d2h_bytes: int = 0  # copied to the host by those steps (also counted in d2h_bytes)
     step_h2d_bytes: int = 0  # copied back to the device by them (also counted in h2d_bytes)
     step_stage_seconds: dict[str, float] = field(default_factory=dict)  # worker seconds per stage, and the wait
@@ -198,8 +199,8 @@ class MemoryReport:
             (
                 "host steps (in backward)",
                 f"{self.host_step_jobs} ({self.host_steps_in_backward}, {self.host_copies_back_in_backward} copied"
-                f" back; {self.host_norms_in_backward} norms), overlap {self.optimizer_overlap}"
-                + (f" ({self.optimizer_schedule})" if self.optimizer_schedule else ""),
+                f" back; {self.host_norms_in_backward} norms; {self.host_sums_in_backward} sums), overlap"
+                f" {self.optimizer_overlap}" + (f" ({self.optimizer_schedule})" if self.optimizer_schedule else ""),
             ),
             *self._disk_rows(fmt),
             ("rank / world size", f"{self.rank} / {self.world_size}"),

@@ -16,12 +16,13 @@ parameter :meth:`grad_ready`, :meth:`finish_backward`; then the optimizer's :met
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import torch
 from torch import nn
 
-from lightning_pstar.config import NonFinite, OptimizerPlacement, PStarConfig
+from lightning_pstar.config import NonFinite, OptimizerOverlap, OptimizerPlacement, PStarConfig
 from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime import steps_in_flight
@@ -233,6 +234,11 @@ class ChunkManager:
     def micro_batch(self, value: MicroBatch) -> None:
         self.grads.micro_batch = value
 
+    def _run_sum_aside(self, task: Callable[[], None]) -> Future[None]:
+        """Run a family's gradient sum on a host lane ([Note: sums beside the backward] in grads.py), counted."""
+        self.pipeline.times.sums_in_backward += 1
+        return self.pipeline.run_aside(task)
+
     def slot_holds_weight(self, record: ParamRecord) -> None:
         """The param slot holds the weight again (the optimizer or a load wrote it): the parameter points at it."""
         self.grads.weight_to_param_slot(record)
@@ -257,6 +263,10 @@ class ChunkManager:
         else:
             self.tracer.start_iteration()
         warmed_up = self.tracer.warmed_up and not self.sharding.distributed
+        # [Note: sums beside the backward] in grads.py: after the warm-up (its trace measures the serial way), at one
+        # rank, where the host step may overlap at all
+        overlap = self.config.placement.optimizer_overlap is not OptimizerOverlap.OFF
+        self.grads.aside = self._run_sum_aside if warmed_up and overlap else None
         self.stationary = self.tracer.untraced = warmed_up and self.residency.nothing_moves(
             self.tracer.trace.peak_non_model
         )

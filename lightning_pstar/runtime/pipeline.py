@@ -59,10 +59,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["HostJob", "StageTimes", "StepPipeline", "host_lanes"]
+
+_T = TypeVar("_T")
 
 
 # [Note: host lanes]
@@ -160,13 +163,14 @@ class StageTimes:
     in_backward: int = 0  # jobs started by a backward ([Note: stepping inside the backward] in optim/overlap.py)
     back_in_backward: int = 0  # ... whose copy back could run inside it ([Note: copies back inside the backward])
     norms_in_backward: int = 0  # families whose gradient norms a step took from the backward (optim/overlap.py)
+    sums_in_backward: int = 0  # families' accumulated gradients summed on a host lane ([Note: sums beside ...])
 
     def seconds(self) -> dict[str, float]:
         return {"d2h": self.d2h, "adam": self.adam, "h2d": self.h2d, "wait": self.wait}
 
     def reset(self) -> None:
         self.d2h = self.adam = self.h2d = self.wait = 0.0
-        self.jobs = self.in_backward = self.back_in_backward = self.norms_in_backward = 0
+        self.jobs = self.in_backward = self.back_in_backward = self.norms_in_backward = self.sums_in_backward = 0
 
 
 @dataclass(kw_only=True)
@@ -207,7 +211,7 @@ class StepPipeline:
         self.times = StageTimes()
         self._lanes = _Lanes(host_lanes())  # [Note: host lanes]
         self.early: set[int] = set()  # families whose copy back may run inside the backward (``submit(back_now)``)
-        self._aside: list[Future[torch.Tensor]] = []  # reads run beside the backward (:meth:`run_aside`)
+        self._aside: list[Future[Any]] = []  # reads run beside the backward (:meth:`run_aside`)
         # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
         # in optim/overlap.py): "pipeline", "serial", or None while "auto" still times both
         self.schedule: str | None = None
@@ -280,11 +284,13 @@ class StepPipeline:
         d2h.submit(self._run_d2h, job)  # each stage hands the job to the next: one hand-off on this thread
         self._jobs[job.family_id] = job
 
-    def run_aside(self, fn: Callable[[], torch.Tensor]) -> Future[torch.Tensor]:
-        """Run ``fn``, a read of host bytes that nothing writes until the step (a family's gradient norms during the
-        backward: [Note: gradient norms inside the backward] in ``optim/overlap.py``), on the D2H stage's worker in
-        a host lane; :meth:`drain` waits for it. Its result, or its error, is the returned future's."""
-        future: Future[torch.Tensor] = Future()
+    def run_aside(self, fn: Callable[[], _T]) -> Future[_T]:
+        """Run ``fn`` on the D2H stage's worker in a host lane, after what was run aside before it: a read of host
+        bytes that nothing writes until the step (a family's gradient norms during the backward: [Note: gradient
+        norms inside the backward] in ``optim/overlap.py``), or a family's gradients summed into its host GRAD chunk
+        ([Note: sums beside the backward] in ``grads.py``). :meth:`drain` waits for it. Its result, or its error, is
+        the returned future's."""
+        future: Future[_T] = Future()
 
         def run() -> None:
             try:

@@ -115,6 +115,7 @@ def build_report(
         host_steps_in_backward=pipeline.times.in_backward if pipeline is not None else 0,
         host_copies_back_in_backward=pipeline.times.back_in_backward if pipeline is not None else 0,
         host_norms_in_backward=pipeline.times.norms_in_backward if pipeline is not None else 0,
+        host_sums_in_backward=pipeline.times.sums_in_backward if pipeline is not None else 0,
         step_d2h_bytes=stats.step_d2h_bytes,
         step_h2d_bytes=stats.step_h2d_bytes,
         step_stage_seconds=pipeline.times.seconds() if pipeline is not None else {},

@@ -43,3 +43,25 @@ def test_copies_back_inside_the_backward_on_cuda_are_the_serial_step(precision: 
     assert report.host_steps_in_backward > 0 and report.host_copies_back_in_backward > 0, report
     assert pipelined.losses == serial.losses
     assert_states_equal(pipelined.final, serial.final, what="copies back inside the backward against 'off'")
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_accumulation_sums_aside_and_pipelined_steps_on_cuda_are_the_serial_step(precision: str) -> None:
+    """Gradient accumulation with the optimizer on the host: the accumulating micro-batches' gradients go to pinned
+    memory on a side stream and are summed on a host lane ([Note: sums beside the backward] in runtime/grads.py), and
+    the last micro-batch's jobs add the slot's gradient to those sums ([Note: gradient parts] in optim/host_step.py):
+    the serial step's bits (what the first GPU run's offloaded row, accumulation 4, ran serially)."""
+    runs, reports = [], []
+    for overlap in ("off", "pipeline"):
+        strategy = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap=overlap, chunk_size=4096)
+        peek = Peek()
+        module = LM(lambda: TinyGPT())
+        options = {"precision": precision, "steps": 5, "callbacks": [peek], "accelerator": ACCELERATOR}
+        runs.append(fit_steps(module, strategy, accumulate_grad_batches=3, **options))
+        reports.append(peek.report)
+    serial, pipelined = runs
+    report = reports[1]
+    assert report.host_sums_in_backward > 0 and report.host_step_jobs > 0, report
+    assert reports[0].host_sums_in_backward == 0 and reports[0].host_step_jobs == 0
+    assert pipelined.losses == serial.losses
+    assert_states_equal(pipelined.final, serial.final, what="accumulation, pipeline against 'off'")

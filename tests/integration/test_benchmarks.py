@@ -234,12 +234,15 @@ def test_gpu_check_breakdown_reads_copies_host_adam_and_waits_from_a_trace() -> 
     assert trace_figures([]) == {"moved_bytes_per_step": None, "transfers_s": None, "host_adam_s": None, "waits_s": 0}
 
 
-@pytest.mark.slow  # a benchmark end to end in a subprocess (about 10 s)
-def test_offload_quick_measures_every_schedule_against_its_bounds(tmp_path: Path) -> None:
+@pytest.mark.slow  # a benchmark end to end in a subprocess (about 10 s; 20 s with accumulation)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_offload_quick_measures_every_schedule_against_its_bounds(tmp_path: Path, accumulate: int) -> None:
     """benchmarks/offload.py --quick: every schedule with and without clipping, the stages alone, and a target row
-    per overlapped run whose ratio is its step over its bound."""
+    per overlapped run whose ratio is its step over its bound; with ``--accumulate`` per optimizer step (a window of
+    micro-batches), the accumulating micro-batches' gradients summed aside where the schedule overlaps."""
     out = tmp_path / "offload.json"
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "offload.py"), "--quick", "--json", str(out)]
+    cmd += ["--accumulate", str(accumulate)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -250,7 +253,10 @@ def test_offload_quick_measures_every_schedule_against_its_bounds(tmp_path: Path
     piped = runs[("pipeline", False)]
     assert 0 < piped["host_copies_back_in_backward"] <= piped["host_steps_in_backward"] <= piped["host_step_jobs"]
     assert runs[("pipeline", True)]["host_steps_in_backward"] == 0  # clipping needs every gradient first
-    assert set(result["stages_alone"]) == {"d2h_ms", "adam_ms", "h2d_ms"}
+    assert set(result["stages_alone"]) == {"d2h_ms", "adam_ms", "h2d_ms", "sums_ms"}
+    assert (result["stages_alone"]["sums_ms"] > 0) == (accumulate > 1) and result["model"]["accumulate"] == accumulate
+    assert runs[("off", False)]["host_sums_in_backward"] == 0
+    assert (piped["host_sums_in_backward"] > 0) == (accumulate > 1)
     assert len(result["targets"]) == 6
     bandwidth = result["copy_bandwidth"]
     assert bandwidth["one_thread_gbps"] > 0 and bandwidth["two_threads_gbps"] > 0

@@ -28,6 +28,7 @@ from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from tests.helpers import TinyLM, assert_states_equal
+from tests.helpers.data import make_loader
 from tests.helpers.fabric_loop import LoopSpec, train
 from tests.helpers.models import N_EMBD, VOCAB, TinyGPT
 from tests.helpers.runs import LM, FitResult, OptimSpec, fit_steps
@@ -193,6 +194,9 @@ def test_accumulation_groups_and_schedule(precision: str) -> None:
         lambda: TwoGroupLM(lambda: TinyGPT()), precision, accumulate_grad_batches=2
     )
     assert pipelined.recorder.lrs == serial.recorder.lrs and len(set(serial.recorder.lrs)) > 2
+    # after the warm-up every family's accumulated gradients were summed on a host lane (the loader's 5 batches make
+    # windows of 2, 2 and 1 micro-batches: 3 of the 4 steps after the warm-up accumulate)
+    assert report.host_sums_in_backward == 3 * _per_step(report) > 0
     if precision == "32-true":  # the fp32 GRAD chunk holds the sum: the whole-family step applies
         assert report.host_steps_in_backward == (STEPS - 1) * _per_step(report) > 0
 
@@ -258,6 +262,8 @@ def test_fabric(clip: bool, accumulate: int, mode: str) -> None:
         runs.append(train(spec))
         reports.append(strategy.memory_report())
     assert reports[0].host_step_jobs == 0 and reports[1].host_step_jobs > 0, reports[1]
+    assert reports[0].host_sums_in_backward == 0  # "off": every sum on the calling thread
+    assert (reports[1].host_sums_in_backward > 0) == (accumulate > 1), reports[1]  # fabric.no_backward_sync
     assert runs[1].losses == runs[0].losses
     assert runs[1].eval_losses == runs[0].eval_losses
     assert_states_equal(runs[1].state, runs[0].state, what=f"Fabric, optimizer_overlap={mode!r} against 'off'")
@@ -451,6 +457,8 @@ def test_mixed_accumulation_is_the_serial_step(precision: str, clip: str | None,
     assert families >= pipelined.num_chunks - 1 and serial.host_step_jobs == 0
     in_backward = precision == "bf16-mixed" and clip is None  # 16-mixed and clipping need every gradient first
     assert pipelined.host_steps_in_backward == ((STEPS - 1) * families if in_backward else 0)
+    # the earlier micro-batches' gradients were summed on a host lane ([Note: sums beside the backward])
+    assert serial.host_sums_in_backward == 0 and pipelined.host_sums_in_backward >= families
 
 
 class Switchy(nn.Module):
@@ -487,3 +495,49 @@ def test_gradients_from_some_micro_batches_only(mode: str) -> None:
         lambda: LM(Switchy), "bf16-mixed", mode, accumulate_grad_batches=3, options={"chunk_size": 4096}
     )
     assert 0 < pipelined.host_step_jobs < STEPS * pipelined.num_chunks
+
+
+class TwiceCheckpointed(nn.Module):
+    """One block run twice, each time under reentrant activation checkpointing, on the first two micro-batches of
+    each window of 3 (once on the last, which steps): its parameters get two gradients in one accumulating backward
+    (one per recomputed segment)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = TinyGPT()
+        self.calls = 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        gpt, twice = self.gpt, self.calls % 3 != 2
+        self.calls += 1
+        x = gpt.wte(idx) + gpt.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for _ in range(2 if twice else 1):
+            x = torch.utils.checkpoint.checkpoint(gpt.blocks[0], x, use_reentrant=True)
+        return gpt.lm_head(gpt.ln_f(x))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_sums_beside_the_backward_take_two_gradients_of_one_parameter(precision: str) -> None:
+    """A parameter's two gradients in one accumulating backward are summed aside in the order they came
+    ([Note: sums beside the backward] in runtime/grads.py): the serial step's bits."""
+    _, (serial, pipelined) = _pair(
+        lambda: LM(TwiceCheckpointed), precision, accumulate_grad_batches=3, loader=make_loader(n_seq=4 * 3 * STEPS)
+    )
+    assert serial.host_sums_in_backward == 0 and pipelined.host_sums_in_backward > 0
+
+
+def test_a_sum_that_fails_beside_the_backward_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of a sum on the host lane is the run's ([Note: sums beside the backward]): raised when the backward
+    ends, not lost."""
+    real = ChunkManager._run_sum_aside
+
+    def failing(self: ChunkManager, task: Any) -> Any:
+        def run() -> None:
+            raise MemoryError("host out of memory while summing")
+
+        return real(self, run)
+
+    monkeypatch.setattr(ChunkManager, "_run_sum_aside", failing)
+    strategy = PatrickStarStrategy(optimizer_overlap="pipeline", **HOST)
+    with pytest.raises(MemoryError, match="while summing"):
+        fit_steps(_gpt(), strategy, steps=3, precision="bf16-mixed", accumulate_grad_batches=2)
