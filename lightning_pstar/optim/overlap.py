@@ -281,8 +281,8 @@ class StepOverlap:
     def _start_in_backward(self, family: ChunkFamily) -> bool:
         """A family's final gradients all landed during the backward: start its host step if it is ours."""
         optimizer = self._optimizer
-        if family.family_id not in optimizer._own_ids or not family.trainable:
-            return False
+        if family.family_id not in optimizer._own_ids or not family.trainable or family.recomputed_after_grad:
+            return False  # the last: a second gradient may follow ([Note: recomputed after its gradient])
         if self._manager.residency.optimizer_tier_of(family) is Tier.DISK:
             return False  # a disk family steps at optimizer.step(), when its buffer sets can rotate
         job = optimizer._host_job(family, 1.0)
@@ -315,7 +315,7 @@ class StepOverlap:
     def _norm_in_backward(self, family: ChunkFamily) -> bool:
         """A family's final gradients all landed during the backward: start their norms if they are on the host."""
         manager = self._manager
-        if family.family_id not in self._optimizer._own_ids or not family.trainable:
+        if family.family_id not in self._optimizer._own_ids or not family.trainable or family.recomputed_after_grad:
             return False
         grad_chunk = family.chunks.get(ChunkKind.GRAD)
         if grad_chunk is None or grad_chunk.tier is not Tier.HOST:
@@ -334,7 +334,9 @@ class StepOverlap:
         future = self._norms.pop(family.family_id, None)
         if future is None:
             return None
-        norms = future.result()
+        norms = future.result()  # read to its end even when unused: the gradients change only after it
+        if family.recomputed_after_grad:  # a second gradient landed after these norms ([Note: recomputed after ...])
+            return None
         self._manager.pipeline.times.norms_in_backward += 1
         return norms
 

@@ -129,6 +129,10 @@ class ChunkFamily:
     # optim/overlap.py). Two counters, each written by one thread (the forward's; autograd's), so none is lost.
     saved_params: int = 0
     dropped_params: int = 0
+    # a module of the family computed again inside a backward after the family's gradient of that backward had
+    # landed (reentrant activation checkpointing of a module used twice): it may get a second gradient, so it never
+    # steps, nor has its norms taken, inside a backward ([Note: recomputed after its gradient] in manager.py)
+    recomputed_after_grad: bool = False
 
     @property
     def param_chunk(self) -> Chunk:

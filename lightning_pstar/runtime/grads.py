@@ -66,7 +66,7 @@ from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import SOURCES_OF, MicroBatch, TensorState, Tier
 
-__all__ = ["GradStore"]
+__all__ = ["GradStore", "refuse_late_gradient"]
 
 # module-level: an Enum member read through its class costs a lookup, and these are read per parameter
 _DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
@@ -77,7 +77,7 @@ SUMS_IN_FLIGHT = 4
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward; each backward has its own id
 
 
-def _refuse_late_gradient(record: ParamRecord) -> None:
+def refuse_late_gradient(record: ParamRecord) -> None:
     raise RuntimeError(
         f"PatrickStar started the optimizer step of parameter '{record.slot.name}' (chunk {record.family.family_id})"
         " during the backward, when all its gradients had arrived (optimizer_overlap='pipeline', or 'auto' timing"
@@ -139,7 +139,7 @@ class GradStore:
         final = not self.accumulating
         family = records[0].family
         if self.stepped and family.family_id in self.stepped:
-            _refuse_late_gradient(records[0])
+            refuse_late_gradient(records[0])
         if final:
             for record in records:
                 if record.slot.state not in _TO_HOLD_AFTER_BWD:
@@ -185,7 +185,7 @@ class GradStore:
             record.set_state(TensorState.HOLD)
             return
         if self.stepped and record.family.family_id in self.stepped:
-            _refuse_late_gradient(record)
+            refuse_late_gradient(record)
         if record.waiting:  # a second gradient in one backward (reentrant checkpoint): the first lands first
             self.settle()
         slot = record.slot

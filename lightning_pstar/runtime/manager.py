@@ -38,7 +38,7 @@ from lightning_pstar.runtime.family import (
     release_slots,
 )
 from lightning_pstar.runtime.grad_guard import GradGuard
-from lightning_pstar.runtime.grads import GradStore
+from lightning_pstar.runtime.grads import GradStore, refuse_late_gradient
 from lightning_pstar.runtime.materialise import Materialiser
 from lightning_pstar.runtime.new_storage import adopt_new_storage
 from lightning_pstar.runtime.outside_writes import check_outside_writes, note_versions
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 _COMPUTE, _FORWARD, _BACKWARD = TensorState.COMPUTE, MomentKind.FORWARD, MomentKind.BACKWARD  # per module: no lookup
 _graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outside one)
-_HOLD, _HOLD_AFTER_FWD = TensorState.HOLD, TensorState.HOLD_AFTER_FWD
+_HOLD, _HOLD_AFTER_FWD, _HOLD_AFTER_BWD = TensorState.HOLD, TensorState.HOLD_AFTER_FWD, TensorState.HOLD_AFTER_BWD
 _PHASE_TRAINING, _PHASE_BACKWARD = Phase.TRAINING, Phase.BACKWARD
 
 
@@ -278,12 +278,35 @@ class ChunkManager:
         if _graph_task() >= 0:  # recomputed inside a backward (activation checkpointing)
             self.recomputes = True
             steps_in_flight.refuse_early_read(self, records)
+            self._recompute_after_gradient(records)
         adopt_new_storage(self, records)  # [Note: parameters given new storage]
         if self.mixed and not self.sharding.distributed:  # [Note: writes outside a forward]
             check_outside_writes(records, disk=self.disk, in_flight=self.pipeline.in_flight)
         self.access(records, _COMPUTE, moment, module=index)
         if self.mixed:  # an in-place write to a weight during forward must reach its fp32 master
             self._forward_versions[index] = [r.param._version for r in records]
+
+    def _recompute_after_gradient(self, records: Sequence[ParamRecord]) -> None:
+        """[Note: recomputed after its gradient]
+        Reentrant activation checkpointing runs each checkpointed segment's backward as a backward of its own, so a
+        module used in two segments (weights shared across layers, as ALBERT does) computes again, in the second
+        segment's recomputation, after its parameters' gradients of the first segment have landed. One rank: those
+        gradients are kept as gradients summed with the ones to come, as between accumulating micro-batches (a
+        gradient in the param slot moves into the fp32 GRAD chunk and the slot gets its weight back,
+        ``GradStore.carry_over``), and the module computes with its weights; the second gradient then lands beside the
+        first and the step reads their sum. The family is marked: it never steps, nor has its gradient norms taken,
+        inside a backward again (a second gradient could follow). A family whose step already started inside this
+        backward raises instead, naming the parameter, before anything changes (its job reads those bytes). Several
+        ranks keep refusing ([Note: gradients reduced per group] in how-it-works): the gradient was reduced already."""
+        held = [r for r in records if r.trainable and r.slot.state is _HOLD_AFTER_BWD]
+        if not held or self.sharding.distributed:
+            return
+        for record in held:
+            if record.family.family_id in self.grads.stepped:
+                refuse_late_gradient(record)
+        for record in held:
+            record.family.recomputed_after_grad = True
+        self.grads.carry_over(held)
 
     def post_forward(self, records: Sequence[ParamRecord], index: int, *, backward_follows: bool) -> None:
         """After a module's forward: its chunks may move again (until its backward, if one follows)."""

@@ -93,3 +93,72 @@ def test_activation_checkpointing_bf16(use_reentrant: bool) -> None:
     assert got.losses[-1] < got.losses[0]
     for a, b in zip(got.losses, ref.losses, strict=True):
         assert a == pytest.approx(b, rel=2e-2)
+
+
+class SharedBlockGPT(nn.Module):
+    """One block applied ``uses`` times, each use under ``torch.utils.checkpoint`` (weights shared across layers, as
+    ALBERT does), from ``from_call`` on (the earlier forwards use it once): reentrant checkpointing runs each use's
+    backward as a backward of its own, so the block computes again after its gradient of a later use has landed
+    ([Note: recomputed after its gradient] in runtime/manager.py)."""
+
+    def __init__(self, use_reentrant: bool = True, uses: int = 3, from_call: int = 0) -> None:
+        super().__init__()
+        self.use_reentrant, self.uses, self.from_call = use_reentrant, uses, from_call
+        self.calls = 0
+        self.wte = nn.Embedding(VOCAB, N_EMBD)
+        self.wpe = nn.Embedding(BLOCK, N_EMBD)
+        self.block = Block()
+        self.head = nn.Linear(N_EMBD, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        uses = self.uses if self.calls >= self.from_call else 1
+        self.calls += 1
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for _ in range(uses):
+            x = checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("overlap", "kwargs"),
+    [
+        ("off", {}),
+        ("auto", {}),  # the default: pipelined after the warm-up
+        ("pipeline", {"accumulate_grad_batches": 2}),
+        ("pipeline", {"gradient_clip_val": 0.05}),  # 32-true: norms computed inside the backward elsewhere
+    ],
+)
+def test_a_block_shared_by_reentrant_checkpointed_layers_matches_plain(overlap: str, kwargs: dict) -> None:
+    """Plain Lightning sums the block's gradients of its three uses; so does the engine, with the optimizer on the
+    device or on the host, every overlap mode (was: an invalid state transition at the second use's recomputation)."""
+    ref = fit_steps(LM(lambda: SharedBlockGPT()), "auto", **kwargs)
+    strategy = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap=overlap, chunk_size=4096)
+    got = fit_steps(LM(lambda: SharedBlockGPT()), strategy, **kwargs)
+    assert_same_run(got, ref, what=f"shared checkpointed block, {overlap}, {kwargs}")
+    report = strategy.memory_report()
+    if overlap != "off":
+        assert report.host_step_jobs > 0, report
+
+
+def test_a_block_shared_by_reentrant_checkpointed_layers_bf16() -> None:
+    """bf16-mixed: the first use's gradient in the param slot moves into the fp32 sums and the slot gets its weight
+    back before the block computes again; close to plain Lightning's bf16-mixed, and the default placement gives the
+    same bits as a tight budget."""
+    data = make_loader(4 * STEPS, noise=0.0)
+    ref = fit_steps(LM(lambda: SharedBlockGPT()), "auto", precision="bf16-mixed", loader=data)
+    free = fit_steps(LM(lambda: SharedBlockGPT()), PatrickStarStrategy(), precision="bf16-mixed", loader=data)
+    for a, b in zip(free.losses, ref.losses, strict=True):
+        assert a == pytest.approx(b, rel=2e-2)
+    strategy = tight(4096, 4, itemsize=2)
+    got = fit_steps(LM(lambda: SharedBlockGPT()), strategy, precision="bf16-mixed", loader=data)
+    assert got.losses == free.losses, "evictions changed the arithmetic"
+    assert_states_equal(got.final, free.final, what="tight budget vs unlimited")
+
+
+def test_a_family_stepping_inside_the_backward_that_computes_again_raises() -> None:
+    """A block shared only from the third batch on: its family started its step inside the backward of that batch
+    (nothing in the warm-up said it could compute again) when its second use's recomputation needs it. That raises,
+    naming the parameter, before anything changes."""
+    strategy = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap="pipeline", chunk_size=4096)
+    with pytest.raises(RuntimeError, match=r"'net\.block\..*' .*another gradient in the same backward"):
+        fit_steps(LM(lambda: SharedBlockGPT(from_call=2)), strategy)
