@@ -31,6 +31,7 @@ from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.setup_checks import (
     parameter_free_metrics,
+    refuse_fp32_parametrizations,
     refuse_shared_parameters,
     refuse_sparse_gradients,
     refuse_unsupported_dtypes,
@@ -142,6 +143,7 @@ def build_engine(
     move the buffers. Called on every rank, in the same order (it may create a process group)."""
     precision.device_type = device.type
     refuse_unsupported_dtypes(module, precision.compute_dtype)
+    refuse_fp32_parametrizations(module, precision.compute_dtype)
     refuse_sparse_gradients(module)
     manager = ChunkManager(
         module,

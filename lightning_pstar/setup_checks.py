@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
 __all__ = [
@@ -82,6 +83,44 @@ def refuse_sparse_gradients(module: nn.Module) -> None:
                 " PatrickStar's dense chunks. HINT: build it with sparse=False (the optimizer then steps the dense"
                 " gradient, as torch's fused Adam/AdamW/SGD require anyway)."
             )
+
+
+_FP32_ONLY = {
+    "_Orthogonal": "parametrizations.orthogonal with its matrix_exp map",
+    "_SpectralNorm": "parametrizations.spectral_norm (power iteration with fp32 buffers)",
+    "SpectralNorm": "nn.utils.spectral_norm (power iteration with fp32 buffers)",
+}
+
+
+def _cayley_or_householder(parametrization: nn.Module) -> bool:
+    """An orthogonal parametrization whose map is not matrix_exp: Cayley's runs in bf16 within bf16-mixed's
+    tolerance of plain Lightning (the zoo's ``parametrized`` model checks it); Householder's is not refused either,
+    unmeasured."""
+    orth_map = getattr(parametrization, "orthogonal_map", None)
+    return orth_map is not None and getattr(orth_map, "name", "") != "matrix_exp"
+
+
+def refuse_fp32_parametrizations(module: nn.Module, compute_dtype: torch.dtype) -> None:
+    """In mixed precision a module computes with compute-dtype copies of its weights, where plain Lightning keeps
+    them fp32 and autocast casts only the ops it lists. A parametrization that computes the weight itself with ops
+    outside those lists (orthogonal's matrix_exp, spectral_norm's ``mv`` against its fp32 buffers) would run in
+    bf16/fp16 (NaN, far from plain Lightning) or fail inside torch with a dtype mismatch: refused at setup, naming
+    the module."""
+    if compute_dtype == torch.float32:
+        return
+    for name, mod in module.named_modules():
+        kinds = [type(h).__name__ for h in mod._forward_pre_hooks.values()]
+        if parametrize.is_parametrized(mod):
+            plists = mod.parametrizations.values()
+            kinds += [type(p).__name__ for plist in plists for p in plist if not _cayley_or_householder(p)]
+        for kind in kinds:
+            if kind in _FP32_ONLY:
+                raise ValueError(
+                    f"Module '{name}' ({type(mod).__name__}) uses {_FP32_ONLY[kind]}, which computes its weight with"
+                    f" ops autocast keeps in fp32; PatrickStar's mixed precision hands modules {compute_dtype}"
+                    " weights, so it would run in that dtype, far from plain Lightning's result (or fail inside"
+                    " torch). HINT: train this model in precision='32-true'."
+                )
 
 
 def refuse_unsupported_dtypes(module: nn.Module, compute_dtype: torch.dtype = torch.float32) -> None:

@@ -361,7 +361,7 @@ class StepOverlap:
             assert job is not None
             family = manager.families[fid]
             params = [record.param for record in family.records]
-            park(params)
+            park(params, [record.names[0] for record in family.records])
             job.before.append(functools.partial(_unpark_all, params))
             ours = [r for r in family.records if r.index in own]
             job.after.append(functools.partial(_settle_in_flight, manager, family, ours))

@@ -54,6 +54,7 @@ _METADATA = TENSOR_METADATA | {
     torch.Tensor.data_ptr,
 }
 _PARKED: dict[type, type] = {}
+_NAMES: dict[int, str] = {}  # id of a parked parameter -> its name in the model, for the refusal's message
 
 
 class ParkedParameterError(RuntimeError):
@@ -68,10 +69,10 @@ def _parked_class(cls: type) -> type:
             if func in _METADATA:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
-            _refuse(getattr(func, "__qualname__", getattr(func, "__name__", repr(func))))
+            _refuse(getattr(func, "__qualname__", getattr(func, "__name__", repr(func))), _parked_in(args, kwargs))
 
         def as_subclass(self: torch.Tensor, cls: type) -> Any:  # torch does not route it through the above
-            _refuse("Tensor.as_subclass")
+            _refuse("Tensor.as_subclass", _NAMES.get(id(self)))
 
         parked = type(
             f"Parked{cls.__name__}",
@@ -83,9 +84,19 @@ def _parked_class(cls: type) -> type:
     return parked
 
 
-def _refuse(name: str) -> NoReturn:
+def _parked_in(args: Any, kwargs: Any) -> str | None:
+    """The name of the first parked parameter among an operation's arguments (one level into lists and tuples)."""
+    for value in (*args, *(kwargs or {}).values()):
+        for item in value if isinstance(value, list | tuple) else (value,):
+            if type(item) in _PARKED_CLASSES and id(item) in _NAMES:
+                return _NAMES[id(item)]
+    return None
+
+
+def _refuse(name: str, param: str | None) -> NoReturn:
+    what = f"parameter '{param}'" if param is not None else "a parameter"
     raise ParkedParameterError(
-        f"PatrickStar: a parameter was read ({name}) while its weight is not in memory: its optimizer step"
+        f"PatrickStar: {what} was read ({name}) while its weight is not in memory: its optimizer step"
         " was still running after optimizer.step() returned (optimizer_overlap='next_forward'), outside its"
         " own module's forward, which is where the engine waits for it; or its gradient holds its slot and"
         " its fp32 master is on the disk tier until the step (memory.disk_path). HINT: read weights inside"
@@ -94,10 +105,13 @@ def _refuse(name: str) -> NoReturn:
     )
 
 
-def park(params: Sequence[torch.Tensor]) -> None:
-    """Make every value-reading operation on ``params`` raise until :func:`unpark` ([Note: parked parameters])."""
-    for param in params:
+def park(params: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
+    """Make every value-reading operation on ``params`` raise until :func:`unpark` ([Note: parked parameters]);
+    ``names``: theirs in the model, for the refusal's message."""
+    for i, param in enumerate(params):
         param.__class__ = _parked_class(type(param))
+        if names is not None:
+            _NAMES[id(param)] = names[i]
 
 
 def unpark(param: torch.Tensor) -> None:
@@ -105,6 +119,7 @@ def unpark(param: torch.Tensor) -> None:
     cls = type(param)
     if cls in _PARKED.values():
         param.__class__ = cls.__bases__[0]
+        _NAMES.pop(id(param), None)
 
 
 def is_parked(param: torch.Tensor) -> bool:

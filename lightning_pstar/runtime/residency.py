@@ -175,7 +175,7 @@ class Residency:
                 view = chunks[_PARAM].buffer_view(record.slot)
                 record.param.data = view
                 record.pointed = view.data_ptr()  # [Note: parameters given new storage] in new_storage.py
-                park([record.param])
+                park([record.param], [record.names[0]])
                 return
         if chunk.pending and chunk.tier is _DEVICE:  # never into bytes still being copied: once the copy is waited on
             chunk.on_landed(lambda: self._point_family(record.family))  # ([Note: fetch and prefetch], lookahead.py)

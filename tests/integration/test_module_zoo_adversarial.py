@@ -847,7 +847,6 @@ class DictNet(nn.Module):
         return self.head(self.wte(idx) * self.pdict["gain"])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ParkedParameterError names the torch op, not the parameter read")
 def test_parked_parameter_error_names_the_parameter() -> None:
     """The refusal above should say which parameter was read (as the several-rank refusal does)."""
     strategy = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap="next_forward")
@@ -881,8 +880,6 @@ class SpectralNet(nn.Module):
 
 
 BF16_BUGS = {
-    "orthogonal": (OrthNet, "BUG: bf16-mixed orthogonal() (matrix_exp) runs on the bf16 copy: NaN at step 1"),
-    "spectral_norm": (SpectralNet, "BUG: bf16-mixed spectral_norm crashes in torch.mv (bf16 weight, fp32 u/v)"),
     "embedding_bag_weights": (
         lambda: BagLM(weighted=True),
         "BUG: bf16-mixed EmbeddingBag with fp32 per_sample_weights crashes (bf16 weight)",
@@ -890,13 +887,37 @@ BF16_BUGS = {
 }
 
 
+class HookSpectralNet(SpectralNet):
+    """The older hook-based ``nn.utils.spectral_norm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.spectral_norm(nn.Linear(E, E))
+
+
+@pytest.mark.parametrize(
+    ("build", "module"),
+    [(OrthNet, "net.lin"), (SpectralNet, "net.lin"), (HookSpectralNet, "net.lin")],
+    ids=["orthogonal", "spectral_norm", "hook_spectral_norm"],
+)
+def test_bf16_mixed_parametrizations_that_need_fp32_are_refused_at_setup(build: Any, module: str) -> None:
+    """Plain bf16-mixed keeps fp32 weights and casts only what autocast lists; the strategy hands the forward bf16
+    copies, so orthogonal's matrix_exp ran in bf16 (NaN at step 1) and spectral_norm's mv crashed on fp32 buffers.
+    Refused at setup, naming the module, with the 32-true HINT (32-true matches plain Lightning)."""
+    with pytest.raises(ValueError, match=rf"Module '{module}' .*precision='32-true'"):
+        fit_steps(LM(build), PatrickStarStrategy(), precision="bf16-mixed", steps=2)
+    ref = fit_steps(LM(build), "auto", steps=2)
+    got = fit_steps(LM(build), PatrickStarStrategy(), steps=2)
+    assert_close_to_plain_n(got, ref, f"{build.__name__}, 32-true")
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=v[1])) for k, v in BF16_BUGS.items()]
 )
 def test_bf16_mixed_modules_outside_autocast_match_plain(name: str) -> None:
     """Plain bf16-mixed keeps fp32 weights and casts only what autocast lists; the strategy hands the forward bf16
-    copies. Ops outside autocast's lists (matrix_exp, mv, embedding_bag's per-sample weights) then see bf16 where
-    plain Lightning gives them fp32: the run must still match plain bf16-mixed, or be refused at setup."""
+    copies. Ops outside autocast's lists (embedding_bag's per-sample weights) then see bf16 where plain Lightning
+    gives them fp32: the run must still match plain bf16-mixed, or be refused at setup."""
     build = BF16_BUGS[name][0]
     ref = fit_steps(LM(build), "auto", precision="bf16-mixed", steps=STEPS)
     got = fit_steps(LM(build), PatrickStarStrategy(), precision="bf16-mixed", steps=STEPS)
