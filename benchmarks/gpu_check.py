@@ -314,6 +314,7 @@ def _pstar_extra(trainer: L.Trainer) -> dict[str, Any]:
         "host_step_jobs": report.host_step_jobs,
         "host_steps_in_backward": report.host_steps_in_backward,
         "host_copies_back_in_backward": report.host_copies_back_in_backward,
+        "host_sums_in_backward": report.host_sums_in_backward,
         "step_stage_seconds": report.step_stage_seconds,
     }
 

@@ -123,6 +123,10 @@ def test_compare_and_gpu_check_write_complete_json(tmp_path: Path) -> None:
     assert all(report["largest"][s] is not None for s in runnable), gpu_out
     runs = {r["strategy"]: r for r in report["runs"]}
     assert runs["patrickstar-host"]["optimizer_ran_on"] == "host", gpu_out  # forced, by the option or the fallback
+    # accumulation (2 micro-batches in --tiny): the host steps pipelined, the first micro-batch's gradients summed
+    # aside (what the first GPU run's offloaded row did serially)
+    host = runs["patrickstar-host"]
+    assert host["host_step_jobs"] > 0 and host["host_sums_in_backward"] > 0, host
     forced = "optimizer_placement='host'" if report["optimizer_placement_option"] else "placement='static'"
     assert runs["patrickstar-host"]["optimizer_placement"].startswith(forced)
     assert runs["patrickstar"]["optimizer_ran_on"] == "device"  # the simulated device has no budget
