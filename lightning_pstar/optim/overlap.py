@@ -255,6 +255,7 @@ class StepOverlap:
                 measurable = any(residency.optimizer_tier_of(f) in off_device for f in self._optimizer._families)
             schedule.step_done(measurable=measurable)
         manager.pipeline.schedule, manager.pipeline.trial_ms = schedule.chosen, schedule.trial_ms
+        manager.pipeline.pipelined_next = schedule.pipelined
 
     # ---- the step inside the backward ------------------------------------------------------------------------
     def arm_in_backward(self) -> bool:

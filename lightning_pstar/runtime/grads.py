@@ -37,19 +37,20 @@ exactly that bump and reads its fp32 master.
 A micro-batch whose gradients are summed with the next ones (gradient accumulation) adds each of them to the fp32
 GRAD chunk. Where that chunk is on the host (the optimizer states are), the add was host work on the calling thread,
 one parameter at a time as autograd handed the gradients over; on CUDA each one a blocking copy to pageable memory
-first (the first GPU run: 3.7 GB/s, most of an offloaded step's backward). After the warm-up, at one rank, and
-unless ``optimizer_overlap="off"``, such gradients wait for the rest of their family instead (as final ones do), and
-the family's adds run on a host lane of the step pipeline (``StepPipeline.run_aside``: one worker, so a family's
-sums run in the order they were handed over), while the backward goes on. On CUDA the gradients are first copied
-into one pinned block per family on a side stream, ordered after the compute stream's kernels that wrote them (each
-gradient ``record_stream``-ed, so its memory is not reused before its copy ends); the lane waits for that copy's
-event. The arithmetic is the serial path's: each sum is ``sum.add_(gradient)`` (the first micro-batch's a copy),
-elementwise the same, in the same order per element. At most ``SUMS_IN_FLIGHT`` families wait for their sum at once
-(the backward waits for the oldest), so the gradients kept alive and the pinned copies (torch's caching host
-allocator, counted in its reserved bytes like every pinned block) stay a few families' worth. Nothing outlives the
-backward: :meth:`GradStore.settle` outside a backward (``finish_backward``, the step, ``zero_grad``, a reader of
-gradients) hands over what still waits and waits for every sum, and raises the first error of one. The warm-up keeps
-the serial way, so that its trace measures what it always did.
+first (the first GPU run: 3.7 GB/s, most of an offloaded step's backward). After the warm-up, at one rank, and where
+the coming step runs pipelined (not under ``optimizer_overlap="off"``, nor while ``"auto"`` times or keeps the
+serial step: its trials time each schedule whole), such gradients wait for the rest of their family instead (as
+final ones do), and the family's adds run on a host lane of the step pipeline (``StepPipeline.run_aside``: one
+worker, so a family's sums run in the order they were handed over), while the backward goes on. On CUDA the
+gradients are first copied into one pinned block per family on a side stream, ordered after the compute stream's
+kernels that wrote them (each gradient ``record_stream``-ed, so its memory is not reused before its copy ends); the
+lane waits for that copy's event. The arithmetic is the serial path's: each sum is ``sum.add_(gradient)`` (the first
+micro-batch's a copy), elementwise the same, in the same order per element. At most ``SUMS_IN_FLIGHT`` families wait
+for their sum at once (the backward waits for the oldest), so the gradients kept alive and the pinned copies
+(torch's caching host allocator, counted in its reserved bytes like every pinned block) stay a few families' worth.
+Nothing outlives the backward: :meth:`GradStore.settle` outside a backward (``finish_backward``, the step,
+``zero_grad``, a reader of gradients) hands over what still waits and waits for every sum, and raises the first
+error of one. The warm-up keeps the serial way, so that its trace measures what it always did.
 """
 
 from __future__ import annotations

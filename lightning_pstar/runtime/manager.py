@@ -264,8 +264,8 @@ class ChunkManager:
             self.tracer.start_iteration()
         warmed_up = self.tracer.warmed_up and not self.sharding.distributed
         # [Note: sums beside the backward] in grads.py: after the warm-up (its trace measures the serial way), at one
-        # rank, where the host step may overlap at all
-        overlap = self.config.placement.optimizer_overlap is not OptimizerOverlap.OFF
+        # rank, where the coming step runs pipelined
+        overlap = self.config.placement.optimizer_overlap is not OptimizerOverlap.OFF and self.pipeline.pipelined_next
         self.grads.aside = self._run_sum_aside if warmed_up and overlap else None
         self.stationary = self.tracer.untraced = warmed_up and self.residency.nothing_moves(
             self.tracer.trace.peak_non_model

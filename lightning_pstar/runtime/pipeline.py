@@ -216,6 +216,10 @@ class StepPipeline:
         # in optim/overlap.py): "pipeline", "serial", or None while "auto" still times both
         self.schedule: str | None = None
         self.trial_ms: dict[str, float] = {}
+        # whether the coming optimizer step runs pipelined (as the last optimizer that stepped says; "off" never):
+        # the accumulating micro-batches before it sum their gradients aside only then ([Note: sums beside the
+        # backward] in grads.py), so that "auto"'s trials time each schedule whole
+        self.pipelined_next = True
 
     def streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
         """The copy streams of the D2H and H2D stages on CUDA (two, so both directions may copy at once); None
