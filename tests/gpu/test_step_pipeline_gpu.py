@@ -6,6 +6,7 @@ backward. Losses, weights and optimizer states equal the serial step's, bitwise.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import lightning as L
 import pytest
@@ -28,21 +29,26 @@ class Peek(L.Callback):
         self.report = trainer.strategy.memory_report()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_copies_back_inside_the_backward_on_cuda_are_the_serial_step(precision: str) -> None:
+def _serial_and_pipelined(precision: str, what: str, **kwargs: Any) -> tuple[Any, Any]:
+    """The same run with ``optimizer_overlap`` "off" and "pipeline": bitwise the same losses and weights; both
+    memory reports."""
     runs, reports = [], []
     for overlap in ("off", "pipeline"):
         strategy = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap=overlap, chunk_size=4096)
         peek = Peek()
-        module = LM(lambda: TinyGPT())
         options = {"precision": precision, "steps": 5, "callbacks": [peek], "accelerator": ACCELERATOR}
-        runs.append(fit_steps(module, strategy, **options))
+        runs.append(fit_steps(LM(lambda: TinyGPT()), strategy, **options, **kwargs))
         reports.append(peek.report)
     serial, pipelined = runs
-    report = reports[1]
-    assert report.host_steps_in_backward > 0 and report.host_copies_back_in_backward > 0, report
     assert pipelined.losses == serial.losses
-    assert_states_equal(pipelined.final, serial.final, what="copies back inside the backward against 'off'")
+    assert_states_equal(pipelined.final, serial.final, what=f"{what} against 'off'")
+    return reports[0], reports[1]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_copies_back_inside_the_backward_on_cuda_are_the_serial_step(precision: str) -> None:
+    _, report = _serial_and_pipelined(precision, "copies back inside the backward")
+    assert report.host_steps_in_backward > 0 and report.host_copies_back_in_backward > 0, report
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -51,17 +57,6 @@ def test_accumulation_sums_aside_and_pipelined_steps_on_cuda_are_the_serial_step
     memory on a side stream and are summed on a host lane ([Note: sums beside the backward] in runtime/grads.py), and
     the last micro-batch's jobs add the slot's gradient to those sums ([Note: gradient parts] in optim/host_step.py):
     the serial step's bits (what the first GPU run's offloaded row, accumulation 4, ran serially)."""
-    runs, reports = [], []
-    for overlap in ("off", "pipeline"):
-        strategy = PatrickStarStrategy(optimizer_placement="host", optimizer_overlap=overlap, chunk_size=4096)
-        peek = Peek()
-        module = LM(lambda: TinyGPT())
-        options = {"precision": precision, "steps": 5, "callbacks": [peek], "accelerator": ACCELERATOR}
-        runs.append(fit_steps(module, strategy, accumulate_grad_batches=3, **options))
-        reports.append(peek.report)
-    serial, pipelined = runs
-    report = reports[1]
+    serial, report = _serial_and_pipelined(precision, "accumulation", accumulate_grad_batches=3)
     assert report.host_sums_in_backward > 0 and report.host_step_jobs > 0, report
-    assert reports[0].host_sums_in_backward == 0 and reports[0].host_step_jobs == 0
-    assert pipelined.losses == serial.losses
-    assert_states_equal(pipelined.final, serial.final, what="accumulation, pipeline against 'off'")
+    assert serial.host_sums_in_backward == 0 and serial.host_step_jobs == 0
