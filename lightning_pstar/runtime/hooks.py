@@ -201,6 +201,11 @@ class ModelHooks:
             for module in self.manager.table.module_records:
                 if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
                     add(module, self._batchnorm_params_in_fp32, self._batchnorm_params_back)
+        if self.manager.mixed:
+            for module in self.manager.table.module_records:
+                if isinstance(module, nn.EmbeddingBag):
+                    hook = self._eager(self._per_sample_weights_in_compute_dtype)
+                    self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         host = {id(p) for p in self.manager.host_params.values()}
         for module in self.manager.module.modules():
             if isinstance(module, nn.Embedding) and id(module.weight) in host:
@@ -253,6 +258,22 @@ class ModelHooks:
     def _batchnorm_params_back(self, module: nn.Module, *_: Any) -> None:
         for name, param in self._stats_stash.pop(module, {}).items():
             module._parameters[name] = param  # type: ignore[assignment]
+
+    # ---- EmbeddingBag's per-sample weights in mixed precision ------------------------------------------------
+    # ``F.embedding_bag`` takes per-sample weights only in its weight's dtype. Plain Lightning's mixed precision
+    # keeps the weight fp32, so a model passes fp32 per-sample weights; here the weight is the compute-dtype copy,
+    # so they are cast to it (differentiably) for the call, as autocast casts a listed op's inputs.
+    @staticmethod
+    def _per_sample_weights_in_compute_dtype(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        dtype = module.weight.dtype
+        if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].dtype != dtype:
+            return (*args[:2], args[2].to(dtype), *args[3:]), kwargs
+        weights = kwargs.get("per_sample_weights")
+        if isinstance(weights, torch.Tensor) and weights.dtype != dtype:
+            return args, {**kwargs, "per_sample_weights": weights.to(dtype)}
+        return None
 
     def remove(self) -> None:
         for handle in self._handles:

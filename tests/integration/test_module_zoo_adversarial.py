@@ -879,14 +879,6 @@ class SpectralNet(nn.Module):
         return self.head(torch.tanh(self.lin(self.wte(idx))))
 
 
-BF16_BUGS = {
-    "embedding_bag_weights": (
-        lambda: BagLM(weighted=True),
-        "BUG: bf16-mixed EmbeddingBag with fp32 per_sample_weights crashes (bf16 weight)",
-    ),
-}
-
-
 class HookSpectralNet(SpectralNet):
     """The older hook-based ``nn.utils.spectral_norm``."""
 
@@ -911,14 +903,28 @@ def test_bf16_mixed_parametrizations_that_need_fp32_are_refused_at_setup(build: 
     assert_close_to_plain_n(got, ref, f"{build.__name__}, 32-true")
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=v[1])) for k, v in BF16_BUGS.items()]
-)
-def test_bf16_mixed_modules_outside_autocast_match_plain(name: str) -> None:
-    """Plain bf16-mixed keeps fp32 weights and casts only what autocast lists; the strategy hands the forward bf16
-    copies. Ops outside autocast's lists (embedding_bag's per-sample weights) then see bf16 where plain Lightning
-    gives them fp32: the run must still match plain bf16-mixed, or be refused at setup."""
-    build = BF16_BUGS[name][0]
+class PositionalBagLM(BagLM):
+    """:class:`BagLM` passing the per-sample weights positionally (``bag(input, offsets, per_sample_weights)``)."""
+
+    def __init__(self) -> None:
+        super().__init__(weighted=True)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        windows = F.pad(idx, (2, 0)).unfold(1, 3, 1).reshape(b * t, 3)
+        bag = self.bag(windows, None, self.window_w.expand(b * t, 3).contiguous())
+        return self.head(self.act(self.bil(bag.view(b, t, E), self.wte(idx))))
+
+
+@pytest.mark.parametrize("name", ["keyword", "positional"])
+def test_bf16_mixed_embedding_bag_with_fp32_per_sample_weights_matches_plain(name: str) -> None:
+    """Plain bf16-mixed keeps fp32 weights, so a model passes fp32 per-sample weights to its EmbeddingBag; the
+    strategy's weight is the bf16 copy (torch takes per-sample weights only in the weight's dtype: it crashed),
+    so they are cast for the call: the run matches plain bf16-mixed."""
+
+    def build() -> nn.Module:
+        return BagLM(weighted=True) if name == "keyword" else PositionalBagLM()
+
     ref = fit_steps(LM(build), "auto", precision="bf16-mixed", steps=STEPS)
     got = fit_steps(LM(build), PatrickStarStrategy(), precision="bf16-mixed", steps=STEPS)
     for i, (a, b) in enumerate(zip(got.losses, ref.losses, strict=True)):
