@@ -284,6 +284,8 @@ class StepOverlap:
         optimizer = self._optimizer
         if family.family_id not in optimizer._own_ids or not family.trainable or family.recomputed_after_grad:
             return False  # the last: a second gradient may follow ([Note: recomputed after its gradient])
+        if any(r.pointed >= 0 and r.param.data_ptr() != r.pointed for r in family.records):
+            return False  # user code gave a weight new storage: the step adopts it first ([Note: parameters given ...])
         if self._manager.residency.optimizer_tier_of(family) is Tier.DISK:
             return False  # a disk family steps at optimizer.step(), when its buffer sets can rotate
         job = optimizer._host_job(family, 1.0)

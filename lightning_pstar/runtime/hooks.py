@@ -267,7 +267,9 @@ class ModelHooks:
     def _per_sample_weights_in_compute_dtype(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        dtype = module.weight.dtype
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        dtype = weight.dtype
         if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].dtype != dtype:
             return (*args[:2], args[2].to(dtype), *args[3:]), kwargs
         weights = kwargs.get("per_sample_weights")

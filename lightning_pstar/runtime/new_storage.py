@@ -1,35 +1,40 @@
 """Parameters that user code gave new storage (``p.data = W``, ``p.set_(W)``, torch's parametrize assignment).
 
 [Note: parameters given new storage]
-A parameter is a view of its slot in a chunk; the optimizer steps the slot (or its fp32 master), checkpoints save
-it and the next fetch points the parameter at it again. ``p.data = W`` (or ``p.set_(W)``, which
+A parameter is a view of its slot in a chunk; the optimizer steps the slot (or its fp32 master), checkpoints save it
+and the next fetch points the parameter at it again. ``p.data = W`` (or ``p.set_(W)``, which
 ``torch.nn.utils.parametrize`` calls when a parametrized weight is assigned: ``module.weight = W`` through its
 ``right_inverse``) makes the parameter a view of ``W`` instead. Unseen, the forward would compute with ``W`` while
 the step updates the slot's old weight, or a fetch would point the parameter back at its slot and ``W`` would be
 lost. In plain PyTorch ``W`` is the weight from then on: the optimizer updates it, keeping its states.
 
 How it is seen: ``ParamRecord.pointed`` is the address the engine last pointed the parameter at
-(``Residency.point_at_chunk``, ``point_at_poison``). A parameter whose address differs is checked against the
-storages of its family's chunks (a pointing the engine did not note); if it is none of them, user code gave it new
-storage. The check runs where the engine would otherwise lose the assignment: before a module's forward
-(``ChunkManager.pre_forward``), at the optimizer step, and before any read of the weights (state dicts,
-checkpoints). A parameter parked by a step in flight is checked once its step is done.
+(``Residency.point_at_chunk``, ``point_at_poison``). A parameter whose address differs is checked against its own
+slot in each buffer of its param chunk and fp32 master (a pointing the engine did not note); anywhere else, user
+code gave it new storage. The check runs where the engine would otherwise lose the assignment: before a module's
+forward (``ChunkManager.pre_forward``), at the optimizer step (a family given new storage does not step inside the
+backward, where nothing could adopt it first), and before any read of the weights (state dicts, checkpoints). A
+parameter parked by a step in flight is checked once its step is done.
 
 What the engine does: at one rank it adopts the value, as plain PyTorch would: ``W`` is written into the slot and
 its fp32 master (exactly what a load writes: the master holds ``W`` converted to fp32, the slot its compute-dtype
 copy) and the parameter points at its slot again; the optimizer states stay. Where it cannot, it raises
 :class:`NewStorageError` naming the parameters, after pointing them back at their slots (the weights are those
-before the assignment): several ranks (a family's master lives on its owner rank), a value of another shape or a
-non-floating dtype, and mixed precision between the backward and the step (the slot holds the gradient then).
+before the assignment): several ranks (a family's master lives on its owner rank), a value of another shape or dtype
+(plain PyTorch would change the parameter's dtype), a value that plain PyTorch would alias with another parameter
+(``a.data = b.data``, one tensor given to two parameters: separate slots cannot be one tensor), and mixed precision
+between the backward and the step (the slot holds the gradient then). The engine's own pointing is told apart by
+address: the parameter's slot in a buffer of its param chunk or fp32 master, not just any storage of its chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ParamRecord
 
 if TYPE_CHECKING:
@@ -46,7 +51,8 @@ class NewStorageError(RuntimeError):
 
 def _users_value(residency: Residency, record: ParamRecord) -> torch.Tensor | None:
     """The tensor user code gave ``record``'s parameter as new storage, or None where the parameter is a view of
-    the engine's (its noted address, or a storage of its family's chunks: a pointing that was not noted)."""
+    the engine's: its noted address, or its own slot in a buffer of its param chunk or fp32 master (a pointing
+    that was not noted), or a NaN view of a released chunk (several ranks)."""
     param = record.param
     if record.pointed < 0 or param.data_ptr() == record.pointed:
         return None  # not pointed by the engine yet (setup), or where the engine pointed it
@@ -54,10 +60,22 @@ def _users_value(residency: Residency, record: ParamRecord) -> torch.Tensor | No
         storage = param.untyped_storage().data_ptr()
         if not storage:
             return None  # a view of a chunk buffer the engine released (an eviction frees the device bytes)
-        if storage in residency.storage_ptrs(list(record.family.chunks.values())) or storage in residency.shared_ptrs():
+        if param.data_ptr() in _own_slot_addresses(record) or storage in residency.shared_ptrs():
             record.pointed = param.data_ptr()
             return None
         return param.data
+
+
+def _own_slot_addresses(record: ParamRecord) -> set[int]:
+    """Where the engine points ``record``'s parameter: its slot's first element in each buffer of its param chunk
+    and fp32 master."""
+    out = set()
+    for kind in (ChunkKind.PARAM, ChunkKind.MASTER):
+        chunk = record.family.chunks.get(kind)
+        for buf in (chunk.device_buffer, chunk.host_buffer) if chunk is not None else ():
+            if buf is not None and buf.untyped_storage().data_ptr():
+                out.add(buf.data_ptr() + record.slot.offset * buf.element_size())
+    return out
 
 
 def keep_new_storage(residency: Residency, record: ParamRecord) -> None:
@@ -87,7 +105,8 @@ def adopt_new_storage(manager: ChunkManager, records: Sequence[ParamRecord]) -> 
         return
     for index in found:
         kept.pop(index, None)
-    refused = [(r, why) for r, v in found.values() if (why := _why_not(manager, r, v))]
+    shared = _shared_storages(manager, found.values())
+    refused = [(r, why) for r, v in found.values() if (why := _why_not(manager, r, v, shared))]
     if refused:
         for record, _ in refused:  # the weights before the assignment, everywhere
             record.pointed = -1  # the user's storage is let go, not kept again
@@ -108,14 +127,36 @@ def adopt_new_storage(manager: ChunkManager, records: Sequence[ParamRecord]) -> 
             manager.residency.point_at_chunk(record)
 
 
-def _why_not(manager: ChunkManager, record: ParamRecord, value: torch.Tensor) -> str:
+def _shared_storages(manager: ChunkManager, found: Iterable[tuple[ParamRecord, torch.Tensor]]) -> dict[int, str]:
+    """Storages (by address) a given value shares with something plain PyTorch would alias it with: a chunk of the
+    engine (another parameter's slot: ``a.data = b.data``), or another value given at the same time (one tensor
+    given to two parameters). Both make two parameters one tensor, which separate slots cannot be."""
+    out: dict[int, str] = {}
+    with torch._C.DisableTorchFunctionSubclass():
+        storages = [(r, v.untyped_storage().data_ptr()) for r, v in found]
+    engine = manager.residency.storage_ptrs([c for f in manager.families for c in f.chunks.values()])
+    seen: dict[int, ParamRecord] = {}
+    for record, storage in storages:
+        if storage in engine:
+            out[storage] = "the storage of another parameter's chunk (the two would be one tensor)"
+        elif storage in seen:
+            out[storage] = f"the same tensor as '{seen[storage].names[0]}' (the two would be one tensor)"
+        seen.setdefault(storage, record)
+    return out
+
+
+def _why_not(manager: ChunkManager, record: ParamRecord, value: torch.Tensor, shared: dict[int, str]) -> str:
     """Why the engine cannot adopt ``value`` as ``record``'s weight ("" where it can)."""
     if manager.sharding.distributed:
         return "several ranks (its fp32 master lives on one rank)"
     if tuple(value.shape) != tuple(record.slot.shape):
         return f"shape {tuple(value.shape)}, its slot holds {tuple(record.slot.shape)}"
-    if not value.is_floating_point():
-        return f"dtype {value.dtype}"
+    if value.dtype != record.orig_dtype:
+        return f"dtype {value.dtype}, the parameter is {record.orig_dtype} (plain PyTorch would change its dtype)"
+    with torch._C.DisableTorchFunctionSubclass():
+        why = shared.get(value.untyped_storage().data_ptr(), "")
+    if why:
+        return why
     if record.grad_in_param_slot:
         return "assigned between the backward and the optimizer step in mixed precision (its slot holds the gradient)"
     return ""
