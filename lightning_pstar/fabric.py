@@ -313,6 +313,9 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
         manager = self._require_manager()
         with out_of_memory_as_error(manager):
             result = self.precision.optimizer_step(optimizer, **kwargs)
+        # plain PyTorch keeps the step's gradients in p.grad until zero_grad: stand-ins show whether the loop drops
+        # them with model.zero_grad() ([Note: gradients set to None] in runtime/grad_guard.py)
+        manager.guard_stale_grads(self._chunked(optimizer)._records)
         self._batch_open = False  # a forward after a step starts a micro-batch, even if no backward came between
         # one step per iteration ends the warm-up; several optimizers may step per iteration
         optimizer_stepped(manager, one_per_iteration=len(self._optimizers) == 1)

@@ -139,6 +139,7 @@ class ChunkedOptimizer(Optimizer):
                     self._book.group_of[record.index] = gi
         # this optimizer steps and zeroes only its own parameters (several optimizers may share one model)
         self._records = [r for r in manager.records if r.index in self._book.group_of]
+        manager.zero_grad_listeners.append(self._module_zeroed)  # [Note: a module's zero_grad] in runtime/hooks.py
         own = {r.family.family_id for r in self._records}
         self._families = [f for f in manager.families if f.family_id in own]
         self._own_ids = own
@@ -168,7 +169,8 @@ class ChunkedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._manager.grad_guard.remove()  # p.grad stand-ins ([Note: gradients user code cannot see])
+        # p.grad stand-ins ([Note: gradients user code cannot see]); gradients user code set to None are not stepped
+        self._manager.remove_grad_guard()
         try:
             self._step()
         finally:
@@ -433,6 +435,14 @@ class ChunkedOptimizer(Optimizer):
             " override `optimizer_zero_grad` to keep gradients); accumulate gradients over several backward calls"
             " before one step instead (`accumulate_grad_batches`, or several `manual_backward` calls)."
         )
+
+    def _module_zeroed(self, indices: set[int]) -> None:
+        """``zero_grad`` on a module zeroed the gradients of the records ``indices`` (and the manager forgot them):
+        where those are all of this optimizer's, it is as if its own ``zero_grad`` ran."""
+        if all(r.index in indices for r in self._records):
+            self._zeroed_by_step[0] = False
+            self._read_norm = None
+            self.overlap.forget_norms()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of this optimizer's parameters (weights overwritten by gradients are restored

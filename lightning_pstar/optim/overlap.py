@@ -102,6 +102,7 @@ from lightning_pstar.optim.host_step import snapshot_groups
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.hooks import holds_compiled_code
+from lightning_pstar.runtime.new_storage import moved
 from lightning_pstar.runtime.parked import park, unpark
 from lightning_pstar.runtime.state import Tier
 
@@ -283,8 +284,8 @@ class StepOverlap:
         """A family's final gradients all landed during the backward: start its host step if it is ours."""
         optimizer = self._optimizer
         if family.family_id not in optimizer._own_ids or not family.trainable or family.recomputed_after_grad:
-            return False  # the last: a second gradient may follow ([Note: recomputed after its gradient])
-        if any(r.pointed >= 0 and r.param.data_ptr() != r.pointed for r in family.records):
+            return False  # the last: a second gradient may follow ([Note: a forward after the gradient])
+        if any(moved(r) for r in family.records):
             return False  # user code gave a weight new storage: the step adopts it first ([Note: parameters given ...])
         if self._manager.residency.optimizer_tier_of(family) is Tier.DISK:
             return False  # a disk family steps at optimizer.step(), when its buffer sets can rotate
@@ -338,7 +339,7 @@ class StepOverlap:
         if future is None:
             return None
         norms = future.result()  # read to its end even when unused: the gradients change only after it
-        if family.recomputed_after_grad:  # a second gradient landed after these norms ([Note: recomputed after ...])
+        if family.recomputed_after_grad:  # a second gradient landed after these norms ([Note: a forward after ...])
             return None
         self._manager.pipeline.times.norms_in_backward += 1
         return norms

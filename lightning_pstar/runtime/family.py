@@ -61,6 +61,8 @@ class ParamRecord:
     pointed: int = -1
     """The address the engine last pointed the parameter at ([Note: parameters given new storage] in
     ``new_storage.py``)."""
+    strided: bool = False
+    """Whether that view was not contiguous (the NaN view of a released chunk, several ranks)."""
     known_version: int = -1
     """Mixed precision: the parameter's version counter when the engine last knew its slot to equal its fp32
     master in the compute dtype ([Note: writes outside a forward] in ``outside_writes.py``)."""
@@ -131,7 +133,7 @@ class ChunkFamily:
     dropped_params: int = 0
     # a module of the family computed again inside a backward after the family's gradient of that backward had
     # landed (reentrant activation checkpointing of a module used twice): it may get a second gradient, so it never
-    # steps, nor has its norms taken, inside a backward ([Note: recomputed after its gradient] in manager.py)
+    # steps, nor has its norms taken, inside a backward ([Note: a forward after the gradient] in manager.py)
     recomputed_after_grad: bool = False
 
     @property

@@ -15,6 +15,17 @@ holds as in plain PyTorch; any operation on the stand-in (a norm, an in-place ed
 :class:`GradientsInChunksError` naming the parameter and the engine's own ways (Lightning's and Fabric's clipping,
 which the engine applies inside the step). Assigning ``p.grad`` a tensor of one's own is refused at the step the
 same way. The stand-in owns no memory (a zero-dimensional tensor expanded to the parameter's shape).
+
+[Note: gradients set to None]
+User code may also drop a gradient: ``model.zero_grad()`` or ``p.grad = None`` (to freeze a parameter for one
+step). Torch then steps only the parameters that still hold one, and a later backward starts their gradient anew.
+The stand-ins show it: a stand-in found None when the engine takes them away was dropped, and the engine forgets
+that parameter's gradient in its chunks before anything reads it (``ChunkManager.remove_grad_guard``). Under Fabric
+the stand-ins go back after ``optimizer.step()`` too, standing for the gradients the step consumed, which torch
+keeps in ``p.grad`` until ``zero_grad``: Fabric's model wrapper runs ``nn.Module.zero_grad`` on itself, which sets
+those to None, and that is how the engine knows a loop zeroes with ``model.zero_grad()`` ([Note: gradients end with
+the step] in ``optim/optimizer.py``; the modules of the model itself have their ``zero_grad`` seen directly:
+[Note: a module's zero_grad] in ``hooks.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +69,8 @@ class _ChunkGrad(torch.Tensor):
             f"PatrickStar keeps gradients in its chunks, not in `p.grad`: the gradient of '{names[0]}' was used"
             f" ({what}) between the backward and the optimizer step (a hook such as `on_after_backward`,"
             " `on_before_optimizer_step` or `configure_gradient_clipping`, or code between `backward` and"
-            " `optimizer.step()`), where it would have read or changed nothing." + _HINT
+            " `optimizer.step()`), or under Fabric after the step and before `zero_grad` (where plain PyTorch keeps"
+            " the step's gradients), where it would have read or changed nothing." + _HINT
         )
 
 
@@ -68,13 +80,17 @@ class GradGuard:
     def __init__(self) -> None:
         self._stand_ins: dict[int, _ChunkGrad] = {}  # id(param) -> its stand-in (reused while it fits)
         self._guarded: list[tuple[torch.Tensor, _ChunkGrad]] = []
+        self.after_step = False  # the stand-ins stand for gradients a step consumed (Fabric, until zero_grad)
 
     @property
     def active(self) -> bool:
         return bool(self._guarded)
 
-    def install(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Give every parameter in ``params`` (name, parameter) that needs a gradient and holds none a stand-in."""
+    def install(self, params: Iterable[tuple[str, torch.Tensor]], *, after_step: bool = False) -> None:
+        """Give every parameter in ``params`` (name, parameter) that needs a gradient and holds none a stand-in.
+        ``after_step``: for the gradients a step just consumed, which plain PyTorch keeps in ``p.grad`` until
+        ``zero_grad`` ([Note: gradients set to None])."""
+        self.after_step = after_step
         for name, param in params:
             if not param.requires_grad or param.grad is not None:
                 continue
@@ -87,11 +103,12 @@ class GradGuard:
             param.grad = stand_in
             self._guarded.append((param, stand_in))
 
-    def remove(self, *, check: bool = True) -> None:
-        """Take the stand-ins away (the step, ``zero_grad``, the next backward ...). ``check``: refuse a ``p.grad``
-        the user assigned meanwhile (the step would not read it)."""
+    def remove(self, *, check: bool = True) -> list[torch.Tensor]:
+        """Take the stand-ins away (the step, ``zero_grad``, the next backward ...) and return the parameters whose
+        stand-in user code set to None meanwhile (``model.zero_grad()``, ``p.grad = None``: [Note: gradients set to
+        None]). ``check``: refuse a ``p.grad`` the user assigned meanwhile (the step would not read it)."""
         guarded, self._guarded = self._guarded, []
-        assigned = []
+        assigned, dropped = [], []
         for param, stand_in in guarded:
             grad = param.grad
             if grad is stand_in:
@@ -99,8 +116,11 @@ class GradGuard:
             elif grad is not None:
                 assigned.append(stand_in._pstar_name)
                 param.grad = None
+            else:
+                dropped.append(param)
         if assigned and check:
             raise GradientsInChunksError(
                 f"PatrickStar keeps gradients in its chunks, not in `p.grad`: `p.grad` of {assigned[:3]} was assigned"
                 " between the backward and the optimizer step, and the step would not read it." + _HINT
             )
+        return dropped

@@ -213,6 +213,8 @@ class ModelHooks:
         # a parameter assigned after setup is refused where it is assigned: [Note: parameters fixed at setup]
         self._guard = ParameterGuard(self.manager.module, self._is_managed)
         self._handles.extend(self._guard.install())
+        for module in self.manager.module.modules():
+            self._handles.append(_ModuleZeroGrad(module, self.manager))
 
     def _is_managed(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one the engine manages now (in a chunk slot, or a host-resident embedding)."""
@@ -497,3 +499,34 @@ class ModelHooks:
             elif node is not seen:
                 node.register_prehook(once)
                 seen = node
+
+
+class _ModuleZeroGrad:
+    """[Note: a module's zero_grad]
+    ``nn.Module.zero_grad`` sets each parameter's ``p.grad`` to None. A managed parameter's gradient lives in its
+    chunks, not in ``p.grad``, so that would forget nothing: a loop calling ``model.zero_grad()`` instead of
+    ``optimizer.zero_grad()`` would then be refused at its next step as one that never zeroes, and Lightning's
+    ``on_validation_model_zero_grad`` (a validation inside an accumulation window) would keep gradients plain
+    Lightning drops. So each module of the model gets an instance ``zero_grad`` that runs the module's own, then has
+    the engine forget its parameters' gradients (``ChunkManager.module_zero_grad``, which tells the optimizers whose
+    parameters all went). Removed with the other hooks (``handle.remove()``)."""
+
+    def __init__(self, module: nn.Module, manager: ChunkManager) -> None:
+        self.module = module
+        self._prior = module.__dict__.get("zero_grad")  # an instance zero_grad of the user's, put back at removal
+        manager_ref = weakref.ref(manager)  # [Note: hooks that hold the engine]
+        own = module.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            own(set_to_none)
+            engine = manager_ref()
+            if engine is not None:
+                engine.module_zero_grad(module)
+
+        module.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self._prior is not None:
+            self.module.__dict__["zero_grad"] = self._prior
+        else:
+            self.module.__dict__.pop("zero_grad", None)

@@ -126,6 +126,8 @@ class ChunkManager:
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
         # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
         self.pipeline = StepPipeline()
+        # optimizers told when a module's zero_grad forgot gradients ([Note: a module's zero_grad] in hooks.py)
+        self.zero_grad_listeners: list[Callable[[set[int]], None]] = []
         self.grad_guard = GradGuard()  # [Note: gradients user code cannot see] in runtime/grad_guard.py
         self.tailing = False  # an optimizer.step() returned with steps in flight (optimizer_overlap="next_forward")
         self.recomputes = False  # a module's forward ran inside a backward ([Note: copies back inside the backward])
@@ -275,10 +277,11 @@ class ChunkManager:
         """Before module ``index``'s forward: its chunks resident, its slots ``COMPUTE``."""
         # a forward without autograd (an evaluation inside a training step) is not a moment of the iteration
         moment = (_FORWARD, index) if torch.is_grad_enabled() else None
-        if _graph_task() >= 0:  # recomputed inside a backward (activation checkpointing)
+        in_backward = _graph_task() >= 0
+        if in_backward:  # recomputed inside a backward (activation checkpointing)
             self.recomputes = True
             steps_in_flight.refuse_early_read(self, records)
-            self._recompute_after_gradient(records)
+        self._forward_after_gradient(records, in_backward=in_backward)
         adopt_new_storage(self, records)  # [Note: parameters given new storage]
         if self.mixed and not self.sharding.distributed:  # [Note: writes outside a forward]
             check_outside_writes(records, disk=self.disk, in_flight=self.pipeline.in_flight)
@@ -286,27 +289,36 @@ class ChunkManager:
         if self.mixed:  # an in-place write to a weight during forward must reach its fp32 master
             self._forward_versions[index] = [r.param._version for r in records]
 
-    def _recompute_after_gradient(self, records: Sequence[ParamRecord]) -> None:
-        """[Note: recomputed after its gradient]
-        Reentrant activation checkpointing runs each checkpointed segment's backward as a backward of its own, so a
-        module used in two segments (weights shared across layers, as ALBERT does) computes again, in the second
-        segment's recomputation, after its parameters' gradients of the first segment have landed. One rank: those
-        gradients are kept as gradients summed with the ones to come, as between accumulating micro-batches (a
-        gradient in the param slot moves into the fp32 GRAD chunk and the slot gets its weight back,
-        ``GradStore.carry_over``), and the module computes with its weights; the second gradient then lands beside the
-        first and the step reads their sum. The family is marked: it never steps, nor has its gradient norms taken,
-        inside a backward again (a second gradient could follow). A family whose step already started inside this
-        backward raises instead, naming the parameter, before anything changes (its job reads those bytes). Several
-        ranks keep refusing ([Note: gradients reduced per group] in how-it-works): the gradient was reduced already."""
-        held = [r for r in records if r.trainable and r.slot.state is _HOLD_AFTER_BWD]
+    def _forward_after_gradient(self, records: Sequence[ParamRecord], *, in_backward: bool) -> None:
+        """[Note: a forward after the gradient]
+        A module may compute again after its parameters' gradients of a backward have landed and before the step
+        that consumes them: a second forward and backward inside one manual-optimization ``training_step`` before
+        ``opt.step()``, a GAN's critic after the generator's loss reached it (no ``toggle_optimizer``), an
+        evaluation forward between two backwards of an accumulation (Fabric without ``no_backward_sync``, or a
+        validation inside a manual accumulation window), or reentrant activation checkpointing of a module used in
+        several segments (weights shared across layers, as ALBERT does), whose second use's recomputation runs
+        after its gradient of the first has landed. One rank: those gradients are kept as gradients summed with the
+        ones to come, as between accumulating micro-batches (a gradient in the param slot moves into the fp32 GRAD
+        chunk and the slot gets its weight back, ``GradStore.carry_over``), and the module computes with its
+        weights; a later gradient lands beside them and the step reads their sum, as plain PyTorch's ``p.grad``
+        sums. Inside a backward the family is marked too: it never steps, nor has its gradient norms taken, inside
+        a backward again (a second gradient could follow). A family whose step already started inside this
+        backward raises instead, naming the parameter, before anything changes (its job reads those bytes); one in
+        flight from the last step (``"next_forward"``) is left to its job, which forgets its gradients. Several
+        ranks keep refusing (the state transition's error): the gradient was reduced to its owner already."""
+        held = [r for r in records if r.slot.state is _HOLD_AFTER_BWD]
         if not held or self.sharding.distributed:
             return
+        stepping = self.residency.stepping
+        held = [r for r in held if r.family.family_id not in stepping]
         for record in held:
             if record.family.family_id in self.grads.stepped:
                 refuse_late_gradient(record)
-        for record in held:
-            record.family.recomputed_after_grad = True
-        self.grads.carry_over(held)
+        if in_backward:
+            for record in held:
+                record.family.recomputed_after_grad = True
+        if held:
+            self.grads.carry_over(held)
 
     def post_forward(self, records: Sequence[ParamRecord], index: int, *, backward_follows: bool) -> None:
         """After a module's forward: its chunks may move again (until its backward, if one follows)."""
@@ -335,11 +347,12 @@ class ChunkManager:
     def guard_user_grads(self) -> None:
         """User code may use ``p.grad`` until the step: give it stand-ins that refuse ([Note: gradients user code
         cannot see] in runtime/grad_guard.py)."""
+        self.remove_grad_guard(check=False)  # stale stand-ins of the last step first (Fabric)
         self.grad_guard.install((r.names[0], r.param) for r in self.records if r.trainable)
 
     def begin_backward(self) -> None:
         """Every rank starts the backward of a training pass (the strategy's ``pre_backward``)."""
-        self.grad_guard.remove()
+        self.remove_grad_guard()
         with torch.no_grad():
             self.sharding.begin_backward()
 
@@ -444,7 +457,7 @@ class ChunkManager:
 
     def end_training(self) -> None:
         """Training micro-batches are over for now (evaluation, or the end of fit): nothing is traced."""
-        self.grad_guard.remove(check=False)
+        self.remove_grad_guard(check=False)
         self.finish_steps()
         self.finish_backward()
         if self.phase.training:
@@ -456,7 +469,7 @@ class ChunkManager:
 
     def begin_eval_pass(self) -> None:
         """Every rank starts an evaluation step (validation, test, predict)."""
-        self.grad_guard.remove(check=False)
+        self.remove_grad_guard(check=False)
         self.finish_steps()
         self.phase = Phase.EVAL
         self.sharding.begin_pass(training=False)
@@ -466,11 +479,48 @@ class ChunkManager:
         self.sharding.flush()
         self.phase = Phase.IDLE
 
+    def remove_grad_guard(self, *, check: bool = True) -> None:
+        """Take the ``p.grad`` stand-ins away; gradients user code dropped meanwhile are forgotten ([Note: gradients
+        set to None] in runtime/grad_guard.py): before a step, the engine's copy in the chunks; after a step, the
+        optimizers hear that their parameters were zeroed."""
+        after_step = self.grad_guard.after_step
+        dropped = self.grad_guard.remove(check=check)
+        if not dropped:
+            return
+        by_id = self.table.by_id
+        records = [by_id[id(p)] for p in dropped if id(p) in by_id]
+        if after_step:
+            indices = {r.index for r in records}
+            for listener in self.zero_grad_listeners:
+                listener(indices)
+        else:
+            self.discard_grads(records)
+
+    def guard_stale_grads(self, records: Sequence[ParamRecord]) -> None:
+        """Under Fabric, after a step: stand-ins for the gradients it consumed, until ``zero_grad`` ([Note:
+        gradients set to None] in runtime/grad_guard.py)."""
+        self.grad_guard.install(((r.names[0], r.param) for r in records if r.trainable), after_step=True)
+
+    def module_zero_grad(self, module: torch.nn.Module) -> None:
+        """``module.zero_grad()`` (a user's loop, Lightning's ``on_validation_model_zero_grad``): forget the gradients
+        of the module's parameters, as torch sets their ``p.grad`` to None ([Note: a module's zero_grad] in
+        hooks.py)."""
+        by_id = self.table.by_id
+        records = [by_id[id(p)] for p in module.parameters() if id(p) in by_id and by_id[id(p)].param is p]
+        if not records:
+            return
+        self.finish_steps()
+        self.nonfinite_loss = False
+        self.discard_grads(records)
+        indices = {r.index for r in records}
+        for listener in self.zero_grad_listeners:
+            listener(indices)
+
     def discard_grads(self, records: Sequence[ParamRecord] | None = None) -> None:
         """Forget the gradients of ``records`` (default: all; an optimizer's ``zero_grad`` passes its own);
         weights overwritten by gradients are restored from the masters. A family whose step is in flight consumed
         its gradients: its job forgets them when it finishes ([Note: the step pipeline])."""
-        self.grad_guard.remove(check=False)
+        self.remove_grad_guard(check=False)
         self.sharding.discard()
         records = self.records if records is None else records
         stepping = self.residency.stepping

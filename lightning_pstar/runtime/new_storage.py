@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from lightning_pstar.runtime.manager import ChunkManager
     from lightning_pstar.runtime.residency import Residency
 
-__all__ = ["NewStorageError", "adopt_new_storage", "keep_new_storage"]
+__all__ = ["NewStorageError", "adopt_new_storage", "keep_new_storage", "moved"]
 
 
 class NewStorageError(RuntimeError):
@@ -49,20 +49,33 @@ class NewStorageError(RuntimeError):
     ([Note: parameters given new storage])."""
 
 
+def moved(record: ParamRecord) -> bool:
+    """Whether ``record``'s parameter may not be where the engine last pointed it (the quick test, per parameter:
+    its address, and whether it is contiguous as the engine's view was: a transposed view of its own slot keeps the
+    address)."""
+    param = record.param
+    return record.pointed >= 0 and (param.data_ptr() != record.pointed or param.is_contiguous() == record.strided)
+
+
 def _users_value(residency: Residency, record: ParamRecord) -> torch.Tensor | None:
     """The tensor user code gave ``record``'s parameter as new storage, or None where the parameter is a view of
     the engine's: its noted address, or its own slot in a buffer of its param chunk or fp32 master (a pointing
     that was not noted), or a NaN view of a released chunk (several ranks)."""
     param = record.param
-    if record.pointed < 0 or param.data_ptr() == record.pointed:
+    if not moved(record):
         return None  # not pointed by the engine yet (setup), or where the engine pointed it
     with torch._C.DisableTorchFunctionSubclass():  # a parked parameter's storage is metadata too
         storage = param.untyped_storage().data_ptr()
         if not storage:
             return None  # a view of a chunk buffer the engine released (an eviction frees the device bytes)
-        if param.data_ptr() in _own_slot_addresses(record) or storage in residency.shared_ptrs():
-            record.pointed = param.data_ptr()
+        if storage in residency.shared_ptrs():  # a NaN view of a released chunk (several ranks)
+            record.pointed, record.strided = param.data_ptr(), not param.is_contiguous()
             return None
+        if param.data_ptr() in _own_slot_addresses(record):
+            if param.is_contiguous():
+                record.pointed, record.strided = param.data_ptr(), False
+                return None
+            return param.data.clone()  # a strided view of its own slot (``p.data = p.data.t()``): its values
         return param.data
 
 
@@ -81,7 +94,7 @@ def _own_slot_addresses(record: ParamRecord) -> set[int]:
 def keep_new_storage(residency: Residency, record: ParamRecord) -> None:
     """The engine is about to point ``record``'s parameter at a buffer: first keep a value user code gave it, for
     :func:`adopt_new_storage` (a fetch or an eviction before the module's forward would otherwise lose it)."""
-    if record.pointed >= 0 and record.param.data_ptr() != record.pointed:
+    if moved(record):
         value = _users_value(residency, record)
         if value is not None:
             residency.kept_values[record.index] = (record, value)
@@ -95,7 +108,7 @@ def adopt_new_storage(manager: ChunkManager, records: Sequence[ParamRecord]) -> 
     found: dict[int, tuple[ParamRecord, torch.Tensor]] = {}
     in_flight = manager.pipeline.in_flight
     for record in records:
-        if record.pointed >= 0 and record.param.data_ptr() != record.pointed and not in_flight(record.family.family_id):
+        if moved(record) and not in_flight(record.family.family_id):
             value = _users_value(manager.residency, record)
             if value is not None:
                 found[record.index] = (record, value)
@@ -129,19 +142,27 @@ def adopt_new_storage(manager: ChunkManager, records: Sequence[ParamRecord]) -> 
 
 def _shared_storages(manager: ChunkManager, found: Iterable[tuple[ParamRecord, torch.Tensor]]) -> dict[int, str]:
     """Storages (by address) a given value shares with something plain PyTorch would alias it with: a chunk of the
-    engine (another parameter's slot: ``a.data = b.data``), or another value given at the same time (one tensor
-    given to two parameters). Both make two parameters one tensor, which separate slots cannot be."""
+    engine (another parameter's slot: ``a.data = b.data``), or another parameter's value (one tensor given to two
+    parameters, now or before). Both make two parameters one tensor, which separate slots cannot be."""
     out: dict[int, str] = {}
+    found = list(found)
     with torch._C.DisableTorchFunctionSubclass():
-        storages = [(r, v.untyped_storage().data_ptr()) for r, v in found]
+        values = {r.index: v.untyped_storage().data_ptr() for r, v in found}
+        held: dict[int, list[str]] = {}  # storage -> names of the parameters on it now (or kept for adoption)
+        for record in manager.records:
+            storage = values.get(record.index, record.param.untyped_storage().data_ptr())
+            held.setdefault(storage, []).append(record.names[0])
+        for record, value in manager.residency.kept_values.values():
+            if record.index not in values:
+                held.setdefault(value.untyped_storage().data_ptr(), []).append(record.names[0])
     engine = manager.residency.storage_ptrs([c for f in manager.families for c in f.chunks.values()])
-    seen: dict[int, ParamRecord] = {}
-    for record, storage in storages:
+    for record, _ in found:
+        storage = values[record.index]
+        others = [n for n in held.get(storage, []) if n != record.names[0]]
         if storage in engine:
             out[storage] = "the storage of another parameter's chunk (the two would be one tensor)"
-        elif storage in seen:
-            out[storage] = f"the same tensor as '{seen[storage].names[0]}' (the two would be one tensor)"
-        seen.setdefault(storage, record)
+        elif others:
+            out[storage] = f"the same tensor as '{others[0]}' (the two would be one tensor)"
     return out
 
 

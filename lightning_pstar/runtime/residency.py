@@ -18,7 +18,7 @@ from lightning_pstar.runtime.chunk import Chunk, ChunkKind, TransferStats
 from lightning_pstar.runtime.disk_tier import DISK_KINDS, DiskTier
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.inflight import EvictionsInFlight
-from lightning_pstar.runtime.new_storage import keep_new_storage
+from lightning_pstar.runtime.new_storage import keep_new_storage, moved
 from lightning_pstar.runtime.parked import park, unpark
 from lightning_pstar.runtime.pinned import host_arena
 from lightning_pstar.runtime.placement import PlacementPolicy
@@ -163,7 +163,7 @@ class Residency:
         param slot holds the gradient (mixed precision, between backward and the step) the parameter
         points at its fp32 master instead, so that reading it gives the weight, never the gradient.
         """
-        if record.pointed >= 0 and record.param.data_ptr() != record.pointed:
+        if moved(record):
             keep_new_storage(self, record)  # [Note: parameters given new storage] in new_storage.py
         chunks = record.family.chunks
         chunk = chunks[_PARAM]
@@ -174,7 +174,7 @@ class Residency:
             if chunk.tier is Tier.DISK:
                 view = chunks[_PARAM].buffer_view(record.slot)
                 record.param.data = view
-                record.pointed = view.data_ptr()  # [Note: parameters given new storage] in new_storage.py
+                record.pointed, record.strided = view.data_ptr(), False  # [Note: parameters given new storage]
                 park([record.param], [record.names[0]])
                 return
         if chunk.pending and chunk.tier is _DEVICE:  # never into bytes still being copied: once the copy is waited on
@@ -182,7 +182,7 @@ class Residency:
             return
         view = chunk.buffer_view(record.slot)  # taken once per buffer: [Note: cached views]
         record.param.data = view
-        record.pointed = view.data_ptr()  # [Note: parameters given new storage] in new_storage.py
+        record.pointed, record.strided = view.data_ptr(), False  # [Note: parameters given new storage]
 
     def move_param_chunk(self, family: ChunkFamily, tier: Tier, *, asynchronous: bool = False) -> None:
         """Move ``family``'s param chunk to ``tier`` and re-point its parameters there.

@@ -84,7 +84,7 @@ from lightning_pstar.runtime.grads import GradStore
 from lightning_pstar.runtime.group_gather import GroupGather, pack_bucket, unpack_bucket
 from lightning_pstar.runtime.local_sharding import LocalSharding
 from lightning_pstar.runtime.model_agreement import agree_on_model
-from lightning_pstar.runtime.new_storage import keep_new_storage
+from lightning_pstar.runtime.new_storage import keep_new_storage, moved
 from lightning_pstar.runtime.reduction import GroupReducer
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import TensorState, Tier
@@ -164,7 +164,7 @@ class GroupCoordinator:
     # ---- parameters of released chunks ------------------------------------------------------------------
     def point_at_poison(self, record: ParamRecord) -> None:
         """A released remote chunk has no bytes here: its parameters read as NaN (never as stale weights)."""
-        if record.pointed >= 0 and record.param.data_ptr() != record.pointed:
+        if moved(record):
             keep_new_storage(self.residency, record)  # [Note: parameters given new storage] in new_storage.py
         shape = record.slot.shape
         view = self._poison.get(shape)
@@ -172,7 +172,7 @@ class GroupCoordinator:
             one = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
             view = self._poison[shape] = one.expand(shape)
         record.param.data = view
-        record.pointed = view.data_ptr()  # [Note: parameters given new storage] in new_storage.py
+        record.pointed, record.strided = view.data_ptr(), not view.is_contiguous()  # [Note: parameters given ...]
 
     def poison_ptrs(self) -> set[int]:
         """Addresses of the storages of the NaN views remote parameters point at."""
