@@ -37,7 +37,7 @@ from lightning_pstar.optim.serial_step import SerialFamilyStep
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.disk_tier import DiskTier
-from lightning_pstar.runtime.family import ChunkFamily
+from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.new_storage import adopt_new_storage
 from lightning_pstar.runtime.pipeline import HostJob
@@ -128,6 +128,7 @@ class ChunkedOptimizer(Optimizer):
         # zero_grad is this class's, run with the copy as self)
         self._zeroed_by_step = [False]
         self._book = OptimizerBook(is_adam=isinstance(optimizer, torch.optim.Adam))  # AdamW subclasses Adam
+        self._frozen: list[ParamRecord] = []  # parameters in the groups that were frozen at setup
         self._state_io = ChunkedStateDict(manager, self._book, self.param_groups)
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -137,6 +138,8 @@ class ChunkedOptimizer(Optimizer):
                 record = manager.record_of(p)
                 if record.trainable:
                     self._book.group_of[record.index] = gi
+                else:
+                    self._frozen.append(record)
         # this optimizer steps and zeroes only its own parameters (several optimizers may share one model)
         self._records = [r for r in manager.records if r.index in self._book.group_of]
         manager.zero_grad_listeners.append(self._module_zeroed)  # [Note: a module's zero_grad] in runtime/hooks.py
@@ -186,6 +189,9 @@ class ChunkedOptimizer(Optimizer):
         leftover = set(manager.pipeline.family_ids) - early  # the last step's tail no module waited for
         if leftover:  # before reading gradients: each still holds the last step's until its job ends
             manager.pipeline.drain(only=leftover)
+        unfrozen = [r for r in self._frozen if r.param.requires_grad]
+        if unfrozen:
+            self._refuse_unfrozen(unfrozen)
         families = self._families_with_grads()
         if self._zeroed_by_step[0] and families:
             self._refuse_sum_across_steps(families)
@@ -420,6 +426,20 @@ class ChunkedOptimizer(Optimizer):
         ``zero_grad``; a step before the user's next ``zero_grad`` is refused ([Note: gradients end with the step])."""
         self.zero_grad()
         self._zeroed_by_step[0] = True
+
+    @staticmethod
+    def _refuse_unfrozen(records: list[ParamRecord]) -> None:
+        """A parameter of the optimizer's groups frozen at setup was unfrozen since: plain PyTorch would step it,
+        but the engine laid out gradients, fp32 masters and optimizer states for the trainable parameters only, so
+        its gradient reaches no chunk; refused, before the step changes anything, rather than never trained."""
+        names = ", ".join(f"'{r.names[0]}'" for r in records[:5]) + (" ..." if len(records) > 5 else "")
+        raise RuntimeError(
+            f"PatrickStar: parameter(s) {names} had requires_grad=False when the strategy set up and are trainable"
+            " now; PatrickStar lays out gradients, fp32 masters and optimizer states for the parameters trainable at"
+            " setup, so the optimizer would never step them (plain PyTorch would). HINT: set requires_grad before"
+            " `fit` / `fabric.setup` (freeze with `requires_grad_(False)` later instead, which works), or train in"
+            " two runs, resuming from a checkpoint with the new parameters trainable."
+        )
 
     def _refuse_sum_across_steps(self, families: list[ChunkFamily]) -> None:
         """[Note: gradients end with the step] A step's gradients go with it (in mixed precision the parameter's slot

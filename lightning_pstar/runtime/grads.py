@@ -62,6 +62,8 @@ from contextlib import contextmanager, nullcontext, suppress
 import torch
 from torch.autograd import Variable
 
+from lightning_pstar.planning.requirements import MemoryBudgetError
+from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.residency import Residency
@@ -414,7 +416,10 @@ class GradStore:
                 tier = Tier.HOST
             try:
                 if tier is Tier.HOST:
-                    residency.check_host_room(chunk.nbytes, chunk=chunk)
+                    try:
+                        residency.check_host_room(chunk.nbytes, chunk=chunk)
+                    except MemoryBudgetError as error:
+                        raise _unplanned_sums_error(chunk.nbytes, residency) from error
                 chunk.allocate(tier)
             except BaseException:
                 del family.chunks[ChunkKind.GRAD]  # no chunk without storage is left for a later reader
@@ -515,3 +520,20 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return stream
+
+
+def _unplanned_sums_error(nbytes: int, residency: Residency) -> MemoryBudgetError:
+    """The host budget has no room for an fp32 gradient sum the setup plan did not count: mixed precision plans one
+    only for declared accumulation (``accumulate_grad_batches``), while a module that computes again after its
+    gradient landed ([Note: a forward after the gradient] in manager.py) or micro-batches accumulated without
+    declaring it (Fabric) need one per family too."""
+    total = sum(f.capacity for f in residency.families if f.trainable) * 4
+    return MemoryBudgetError(
+        f"PatrickStar: the host budget ({format_bytes(residency.host_budget, exact=True)}) has no room for an fp32"
+        f" gradient sum of {format_bytes(nbytes, exact=True)} that the setup plan did not count: mixed precision keeps"
+        " one per family where gradients of several backward passes add up before a step (a module computing again"
+        " after its gradient landed: a second forward or backward before the step, reentrant activation"
+        " checkpointing of a shared module; or accumulation the strategy was not told of). HINT: raise"
+        f" host_memory_limit by up to {format_bytes(total)} (4 bytes per trainable parameter), or declare the"
+        " accumulation (`accumulate_grad_batches`)."
+    )

@@ -286,6 +286,8 @@ class ChunkManager:
         if self.mixed and not self.sharding.distributed:  # [Note: writes outside a forward]
             check_outside_writes(records, disk=self.disk, in_flight=self.pipeline.in_flight)
         self.access(records, _COMPUTE, moment, module=index)
+        if self.residency.kept_values:  # given while its family's step was in flight, which access waited for
+            adopt_new_storage(self, records)
         if self.mixed:  # an in-place write to a weight during forward must reach its fp32 master
             self._forward_versions[index] = [r.param._version for r in records]
 
@@ -297,7 +299,9 @@ class ChunkManager:
         evaluation forward between two backwards of an accumulation (Fabric without ``no_backward_sync``, or a
         validation inside a manual accumulation window), or reentrant activation checkpointing of a module used in
         several segments (weights shared across layers, as ALBERT does), whose second use's recomputation runs
-        after its gradient of the first has landed. One rank: those gradients are kept as gradients summed with the
+        after its gradient of the first has landed; the same holds for a module's backward (``pre_backward``) that
+        meets gradients another backward landed (a module used both plainly and under reentrant checkpointing, a
+        second backward through a retained graph). One rank: those gradients are kept as gradients summed with the
         ones to come, as between accumulating micro-batches (a gradient in the param slot moves into the fp32 GRAD
         chunk and the slot gets its weight back, ``GradStore.carry_over``), and the module computes with its
         weights; a later gradient lands beside them and the step reads their sum, as plain PyTorch's ``p.grad``
@@ -309,11 +313,11 @@ class ChunkManager:
         held = [r for r in records if r.slot.state is _HOLD_AFTER_BWD]
         if not held or self.sharding.distributed:
             return
-        stepping = self.residency.stepping
-        held = [r for r in held if r.family.family_id not in stepping]
-        for record in held:
+        for record in held:  # started inside this backward
             if record.family.family_id in self.grads.stepped:
                 refuse_late_gradient(record)
+        stepping = self.residency.stepping  # in flight from the last step: its job forgets the gradients
+        held = [r for r in held if r.family.family_id not in stepping]
         if in_backward:
             for record in held:
                 record.family.recomputed_after_grad = True
@@ -360,6 +364,9 @@ class ChunkManager:
         """Before module ``index``'s backward: its chunks resident again (same storage)."""
         if self.pipeline.early:
             steps_in_flight.refuse_early_read(self, records)
+        # a use whose gradient another backward landed first (a module used plainly and under reentrant activation
+        # checkpointing, a second backward through a retained graph): [Note: a forward after the gradient]
+        self._forward_after_gradient(records, in_backward=True)
         self.access(records, _COMPUTE, (_BACKWARD, index))
 
     def access(
@@ -509,9 +516,8 @@ class ChunkManager:
         records = [by_id[id(p)] for p in module.parameters() if id(p) in by_id and by_id[id(p)].param is p]
         if not records:
             return
-        self.finish_steps()
         self.nonfinite_loss = False
-        self.discard_grads(records)
+        self.discard_grads(records)  # a family whose step is in flight consumed its gradients: its job forgets them
         indices = {r.index for r in records}
         for listener in self.zero_grad_listeners:
             listener(indices)

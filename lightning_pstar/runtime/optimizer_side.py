@@ -43,6 +43,8 @@ def plan_hybrid_optimizer(residency: Residency, peak_non_model: int) -> None:
         # the margin go to the host, the others stay; families on the host that fit come to the device
         tier = Tier.DEVICE if nbytes <= margin else Tier.HOST
         moving = [c for c in side if c.tier is not tier]
+        if moving and family.family_id in residency.stepping and residency.finish_stepping is not None:
+            residency.finish_stepping()  # the warm-up step's tail ("next_forward") still steps these states
         for chunk in moving:
             if tier is Tier.HOST:
                 residency.check_host_room(chunk.nbytes, chunk=chunk)

@@ -360,17 +360,26 @@ def test_eval_forward_leaves_slots_hold(dtype: torch.dtype) -> None:
     assert not any(r.grad_in_grad_chunk or r.grad_in_param_slot for r in manager.records)
 
 
-def test_forward_with_gradient_readable_as_weight_raises() -> None:
-    """Running the model between backward and the optimizer step would read gradients as weights."""
-    from lightning_pstar.runtime.state import InvalidTransitionError
-
+def test_a_forward_between_backward_and_step_reads_weights_and_keeps_the_gradients() -> None:
+    """Running the model between backward and the optimizer step (an evaluation, a GAN's critic) computes with the
+    weights, never the gradients the slots hold, and keeps those gradients for the step, summed in fp32 ([Note: a
+    forward after the gradient] in runtime/manager.py)."""
     model = _mlp()
+    reference = copy.deepcopy(model).bfloat16()
     manager, _ = _setup(model, dtype=torch.bfloat16)
+    x = torch.randn(2, 8)
     with _autocast(torch.bfloat16):
-        _loss(model(torch.randn(2, 8))).backward()
+        _loss(model(x)).backward()
     manager.finish_backward()
-    with pytest.raises(InvalidTransitionError, match="HINT"), torch.no_grad():
-        model(torch.randn(2, 8))
+    before = {r.names[0]: _chunk_grad(manager, r) for r in manager.records}
+    assert any(r.grad_in_param_slot for r in manager.records)  # chunk reuse: gradients in the slots
+    with torch.no_grad():
+        got = model(x.bfloat16())
+        want = reference(x.bfloat16())
+    assert torch.equal(got, want)
+    for record in manager.records:
+        assert not record.grad_in_param_slot and record.grad_in_grad_chunk
+        assert torch.equal(_chunk_grad(manager, record), before[record.names[0]]), record.names
 
 
 def test_second_iteration_after_discard() -> None:
