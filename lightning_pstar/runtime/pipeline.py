@@ -118,6 +118,13 @@ class _Lanes:
         with self._changed:
             self._claims[stage] += 1
 
+    def unclaim(self, stage: int) -> None:
+        """A claim whose hand-off failed (the worker refused the job: the interpreter is shutting down): the
+        earlier stages must not wait for a stage that never comes."""
+        with self._changed:
+            self._claims[stage] -= 1
+            self._changed.notify_all()
+
     @contextmanager
     def lent(self) -> Generator[None, None, None]:
         """One more lane while the calling thread waits for the pipeline (its core is idle meanwhile)."""
@@ -415,16 +422,26 @@ class StepPipeline:
         finally:
             setattr(self.times, stage, getattr(self.times, stage) + perf_counter() - start)
 
+    def _hand_on(self, job: HostJob, stage: int, run: Callable[[HostJob], None], *, claim: bool) -> None:
+        """Hand ``job`` to ``stage``'s worker, its place in the lanes claimed first (see :meth:`_stage`). A worker
+        that refuses it (``submit`` after the interpreter began to shut down: a Fabric script ending with a tail in
+        flight) gives the claim back, so that no other stage waits for it, and the job ends with that error."""
+        if claim:
+            self._lanes.claim(stage)
+        try:
+            self._workers()[stage].submit(run, job)
+        except BaseException:
+            if claim:
+                self._lanes.unclaim(stage)
+            raise
+
     def _to_h2d(self, job: HostJob) -> None:
-        """Hand ``job`` to the H2D stage, its place in the lanes claimed first (see :meth:`_stage`)."""
-        if job.copies_use_cpu:
-            self._lanes.claim(_H2D)
-        self._workers()[2].submit(self._run_h2d, job)
+        """Hand ``job`` to the H2D stage (see :meth:`_hand_on`)."""
+        self._hand_on(job, _H2D, self._run_h2d, claim=job.copies_use_cpu)
 
     def _run_d2h(self, job: HostJob) -> None:
         def then() -> None:
-            self._lanes.claim(_ADAM)
-            self._workers()[1].submit(self._run_adam, job)
+            self._hand_on(job, _ADAM, self._run_adam, claim=True)
 
         self._stage(job, _D2H, job.d2h, on_cpu=job.copies_use_cpu and job.copies_out, claimed=False, then=then)
 
