@@ -122,6 +122,9 @@ class GradStore:
         # of this backward all landed; the families it took (they must receive no further gradient)
         self.on_final: Callable[[ChunkFamily], bool] | None = None
         self.stepped: set[int] = set()
+        # some slot may be in HOLD_AFTER_BWD (a final gradient landed and no step or zero_grad consumed it): only then
+        # a forward must look for gradients to carry over ([Note: a forward after the gradient] in manager.py)
+        self.held = False
         # [Note: sums beside the backward]: runs a task on a host lane of the step pipeline (None: sums are added on
         # the calling thread, one parameter at a time); the gradients of accumulating micro-batches waiting for the
         # rest of their family, and the sums in flight
@@ -152,6 +155,7 @@ class GradStore:
         if final:
             for record in records:
                 record.slot.state = _HOLD_AFTER_BWD
+            self.held = True
             done = all(r.slot.state is _HOLD_AFTER_BWD for r in family.records if r.trainable)
             if self.on_final is not None and done:
                 self._take(family)
@@ -370,6 +374,7 @@ class GradStore:
             self._waiting_numel -= record.slot.numel
             record.slot.state = _HOLD_AFTER_BWD
             record.waiting = False
+        self.held = True
 
     def _write(self, chunk: Chunk, pairs: list[tuple[ParamRecord, torch.Tensor]], *, add: bool) -> None:
         """Copy (or add) each gradient into its record's slot of ``chunk``, in one ``_foreach`` op."""
@@ -467,6 +472,11 @@ class GradStore:
                     self._weight_back(record)
                 record.grad_in_grad_chunk = True
             record.set_state(TensorState.HOLD)
+        self._recount_held()
+
+    def _recount_held(self) -> None:
+        if self.held:
+            self.held = any(r.slot.state is _HOLD_AFTER_BWD for f in self.residency.families for r in f.records)
 
     def discard(self, records: Sequence[ParamRecord]) -> None:
         """Forget the gradients of ``records`` (``zero_grad``); weights overwritten by gradients are restored
@@ -485,6 +495,7 @@ class GradStore:
                 record.grad_in_grad_chunk = False
                 if record.slot.state is _HOLD_AFTER_BWD:
                     record.set_state(TensorState.HOLD)
+        self._recount_held()
 
 
 def _stage_on_host(work: list[tuple[list[torch.Tensor], list[torch.Tensor], bool]]) -> torch.cuda.Event | None:

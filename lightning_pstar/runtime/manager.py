@@ -281,8 +281,15 @@ class ChunkManager:
         if in_backward:  # recomputed inside a backward (activation checkpointing)
             self.recomputes = True
             steps_in_flight.refuse_early_read(self, records)
-        self._forward_after_gradient(records, in_backward=in_backward)
-        adopt_new_storage(self, records)  # [Note: parameters given new storage]
+        if self.grads.held:  # [Note: a forward after the gradient]
+            self._forward_after_gradient(records, in_backward=in_backward)
+        if self.residency.kept_values:  # [Note: parameters given new storage]
+            adopt_new_storage(self, records)
+        else:
+            for record in records:  # the quick test per parameter: its address
+                if record.param.data_ptr() != record.pointed:
+                    adopt_new_storage(self, records)
+                    break
         if self.mixed and not self.sharding.distributed:  # [Note: writes outside a forward]
             check_outside_writes(records, disk=self.disk, in_flight=self.pipeline.in_flight)
         self.access(records, _COMPUTE, moment, module=index)
@@ -366,7 +373,8 @@ class ChunkManager:
             steps_in_flight.refuse_early_read(self, records)
         # a use whose gradient another backward landed first (a module used plainly and under reentrant activation
         # checkpointing, a second backward through a retained graph): [Note: a forward after the gradient]
-        self._forward_after_gradient(records, in_backward=True)
+        if self.grads.held:
+            self._forward_after_gradient(records, in_backward=True)
         self.access(records, _COMPUTE, (_BACKWARD, index))
 
     def access(
