@@ -56,6 +56,10 @@ class ParamRecord:
     replaced_at: int = -1
     """The parameter's version counter just before its gradient replaced the weight in the param slot (the bump
     that follows is the engine's, not a write: [Note: gradients land per family] in ``grads.py``)."""
+    engine_bumps: int = 0
+    """How many times the engine bumped the parameter's version counter by replacing its weight with its gradient in
+    the slot (chunk reuse): a tensor saved before reads the weight again once it is back, if every bump since was
+    the engine's ([Note: a forward after the gradient] in ``manager.py``)."""
     waiting: bool = False
     """Its final gradient waits for the rest of its family's ([Note: gradients land per family] in ``grads.py``)."""
     pointed: int = -1

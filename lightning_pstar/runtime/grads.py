@@ -98,6 +98,7 @@ def _weights_replaced(records: Sequence[ParamRecord]) -> None:
     params = [r.param for r in records]
     for record, param in zip(records, params, strict=True):
         record.replaced_at = param._version  # a weight saved by reference still reads its master (hooks.py)
+        record.engine_bumps += 1
     torch.autograd.graph.increment_version(params)
     for record, param in zip(records, params, strict=True):  # the engine's bump ([Note: writes outside a forward])
         if record.known_version == record.replaced_at:

@@ -135,6 +135,7 @@ class _SavedWeight:
     dtype: torch.dtype
     weights_version: int  # the manager's weights_version when saved (the engine's writes: steps, loads)
     version: int  # the parameter's own version counter when saved (the user's in-place writes)
+    bumps: int  # the record's engine_bumps when saved (the engine's own version bumps)
 
     def __del__(self) -> None:  # autograd dropped it: one saved read less of the family's param chunk
         if self.record.trainable:
@@ -158,9 +159,18 @@ class _SavedParam(_Saved):
     autograd keeps it ([Note: copies back inside the backward] in ``optim/overlap.py``)."""
 
     family: ChunkFamily
+    record: ParamRecord | None  # the parameter it is (a view of), None for a tensor that only shares its bytes
+    bumps: int  # the record's engine_bumps when saved
 
     def __del__(self) -> None:
         self.family.dropped_params += 1
+
+
+def _restored(record: ParamRecord, version: int, bumps: int) -> bool:
+    """Whether every change to ``record``'s version counter since a tensor was saved (at ``version``, ``bumps``) was
+    the engine's (its gradient replacing the weight in the slot) and the slot holds the weight again (put back from the
+    fp32 master by a carry-over): the saved tensor reads what it saved."""
+    return record.param._version - version == record.engine_bumps - bumps and not record.grad_in_param_slot
 
 
 def _modified_in_place(tensor: torch.Tensor, saved: int, now: int) -> RuntimeError:
@@ -320,12 +330,13 @@ class ModelHooks:
             family = record.family if record.trainable else None
         else:  # not a parameter or a view of one, but it may share a param chunk's bytes (``weight.detach()``)
             family = self._alias_of(tensor)
+            record = None
         tracer = self.manager.tracer
         saved = tensor.detach() if tensor.requires_grad and not tensor.is_leaf else tensor
         token = tracer.count(saved) if tracer.counting else None
         if family is not None:
             family.saved_params += 1  # dropped again in _SavedParam.__del__
-            return _SavedParam(saved, tensor._version, token, family)
+            return _SavedParam(saved, tensor._version, token, family, record, record.engine_bumps if record else 0)
         return _Saved(saved, tensor._version, token)
 
     def _alias_of(self, tensor: torch.Tensor) -> ChunkFamily | None:
@@ -366,18 +377,27 @@ class ModelHooks:
             dtype=tensor.dtype,
             weights_version=manager.weights_version,
             version=tensor._version,
+            bumps=record.engine_bumps,
         )
 
     def _unpack(self, packed: _Saved | _SavedWeight) -> torch.Tensor:
         if isinstance(packed, _Saved):
             tensor = packed.tensor
-            if tensor._version != packed.version:
+            if tensor._version != packed.version and not (
+                isinstance(packed, _SavedParam)
+                and packed.record is not None
+                and _restored(packed.record, packed.version, packed.bumps)
+            ):
                 raise _modified_in_place(tensor, packed.version, tensor._version)
             return tensor
         manager = self.manager
         record = packed.record
         now = record.param._version
-        replaced = packed.version == record.replaced_at and now == packed.version + 1  # the engine's bump, no write
+        # the engine's bump (the gradient replaced the weight in its slot), no write; or that bump and the weight put
+        # back ([Note: a forward after the gradient] in manager.py)
+        replaced = packed.version == record.replaced_at and (
+            now == packed.version + 1 or _restored(record, packed.version, packed.bumps)
+        )
         if now != packed.version and not replaced:  # (an optimizer step since: the weights_version check below)
             raise _modified_in_place(record.param, packed.version, now)
         if packed.weights_version != manager.weights_version:
