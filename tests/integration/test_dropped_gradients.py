@@ -8,8 +8,10 @@ plain step's there, to rounding).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -153,3 +155,21 @@ def test_validation_zero_grad_inside_a_manual_window_drops_the_sums_as_plain_lig
     ref = fit_steps(ManualWindowVal(), "auto", steps=6, val_check_interval=1, limit_val_batches=1)
     got = fit_steps(ManualWindowVal(), PatrickStarStrategy(), steps=6, val_check_interval=1, limit_val_batches=1)
     assert_same_run(got, ref, what="validation zero_grad inside a manual window")
+
+
+class EmaCopyZeroes(L.Callback):
+    """Deep-copies the net at each batch start (an EMA model kept outside the LightningModule, as timm's ModelEmaV2
+    is) and calls the copy's ``zero_grad()`` between the backward and the step: the copy's own, not the trained
+    model's (the instance ``zero_grad`` the engine gives the model's modules is not carried into copies)."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.ema = copy.deepcopy(pl_module.net)  # type: ignore[attr-defined]
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.ema.zero_grad()
+
+
+def test_a_deep_copy_of_the_model_zeroes_only_itself() -> None:
+    ref = fit_steps(LM(lambda: TinyGPT()), "auto", steps=4, callbacks=[EmaCopyZeroes()])
+    got = fit_steps(LM(lambda: TinyGPT()), PatrickStarStrategy(), steps=4, callbacks=[EmaCopyZeroes()])
+    assert_same_run(got, ref, what="zero_grad on a deep copy")
