@@ -146,9 +146,12 @@ def check_transition(current: TensorState, new: TensorState, *, what: str) -> No
         hint = ""
         if current is TensorState.HOLD_AFTER_BWD and new is TensorState.COMPUTE:
             hint = (
-                " The slot holds this step's gradient, not the weight. HINT: do not run the model between"
-                " backward and the optimizer step (read weights in callbacks after `optimizer_step`), nor a second"
-                " backward through a graph kept with `retain_graph=True` once the first gave this weight its"
-                " gradient."
+                " Its gradient of a backward waits for the optimizer step and the module computes again before that"
+                " step (a second forward or backward before the step, a GAN's critic after the generator's loss"
+                " reached it, an evaluation inside an accumulation, a module shared by reentrant checkpointed"
+                " segments). One rank carries such a gradient over; at several ranks it was reduced to its owner"
+                " rank already and cannot be. HINT: step (or `zero_grad`) before running the model again, use"
+                " `toggle_optimizer` / `untoggle_optimizer` in a GAN, `no_backward_sync` for accumulation, or"
+                " `use_reentrant=False` for activation checkpointing."
             )
         raise InvalidTransitionError(f"Invalid state transition {current.value} -> {new.value} for {what}.{hint}")
