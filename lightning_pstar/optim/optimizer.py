@@ -127,6 +127,7 @@ class ChunkedOptimizer(Optimizer):
         # one-element list, shared with the copies of this object's __dict__ that LightningOptimizer makes (its
         # zero_grad is this class's, run with the copy as self)
         self._zeroed_by_step = [False]
+        self._zeroed_since_step: set[int] = set()  # records a module's zero_grad or p.grad = None zeroed since (shared)
         self._book = OptimizerBook(is_adam=isinstance(optimizer, torch.optim.Adam))  # AdamW subclasses Adam
         self._frozen: list[ParamRecord] = []  # parameters in the groups that were frozen at setup
         self._state_io = ChunkedStateDict(manager, self._book, self.param_groups)
@@ -173,7 +174,7 @@ class ChunkedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # p.grad stand-ins ([Note: gradients user code cannot see]); gradients user code set to None are not stepped
-        self._manager.remove_grad_guard()
+        self._manager.remove_grad_guard(self._records)
         try:
             self._step()
         finally:
@@ -426,6 +427,7 @@ class ChunkedOptimizer(Optimizer):
         ``zero_grad``; a step before the user's next ``zero_grad`` is refused ([Note: gradients end with the step])."""
         self.zero_grad()
         self._zeroed_by_step[0] = True
+        self._zeroed_since_step.clear()
 
     @staticmethod
     def _refuse_unfrozen(records: list[ParamRecord]) -> None:
@@ -459,7 +461,9 @@ class ChunkedOptimizer(Optimizer):
     def _module_zeroed(self, indices: set[int]) -> None:
         """``zero_grad`` on a module zeroed the gradients of the records ``indices`` (and the manager forgot them):
         where those are all of this optimizer's, it is as if its own ``zero_grad`` ran."""
-        if all(r.index in indices for r in self._records):
+        zeroed = self._zeroed_since_step
+        zeroed |= indices
+        if all(r.index in zeroed for r in self._records):
             self._zeroed_by_step[0] = False
             self._read_norm = None
             self.overlap.forget_norms()

@@ -30,7 +30,7 @@ the step] in ``optim/optimizer.py``; the modules of the model itself have their 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 import torch
@@ -52,17 +52,34 @@ _HINT = (
 )
 
 
+# what ``nn.Module.zero_grad(set_to_none=False)`` does to each ``p.grad``: reads its grad_fn, turns off its
+# requires_grad, zeroes it (one foreach call per device and dtype)
+_ZEROING_READS = frozenset(
+    {
+        torch.Tensor.grad_fn.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.requires_grad_,
+    }
+)
+_ZEROING = frozenset({torch._foreach_zero_, torch.Tensor.zero_})
+
+
 class _ChunkGrad(torch.Tensor):
     """The stand-in ``p.grad``: metadata reads work, every other operation raises."""
 
     _pstar_name: str = "?"
+    _pstar_after_step = False  # stands for a gradient a step consumed (Fabric, until zero_grad)
+    _pstar_zeroed = False  # zeroed in place since (``zero_grad(set_to_none=False)`` after the step)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in TENSOR_METADATA:
+        if func in TENSOR_METADATA or func in _ZEROING_READS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         flat = [b for a in args for b in (a if isinstance(a, (list, tuple)) else (a,))]
+        if func in _ZEROING and flat and all(isinstance(a, _ChunkGrad) and a._pstar_after_step for a in flat):
+            for stand_in in flat:  # a step's consumed gradients zeroed in place: as if set to None
+                stand_in._pstar_zeroed = True
+            return args[0]
         names = [a._pstar_name for a in flat if isinstance(a, _ChunkGrad)] or ["?"]
         what = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
         raise GradientsInChunksError(
@@ -79,8 +96,8 @@ class GradGuard:
 
     def __init__(self) -> None:
         self._stand_ins: dict[int, _ChunkGrad] = {}  # id(param) -> its stand-in (reused while it fits)
-        self._guarded: list[tuple[torch.Tensor, _ChunkGrad]] = []
-        self.after_step = False  # the stand-ins stand for gradients a step consumed (Fabric, until zero_grad)
+        # (parameter, its stand-in, whether it stands for gradients a step consumed: Fabric, until zero_grad)
+        self._guarded: list[tuple[torch.Tensor, _ChunkGrad, bool]] = []
 
     @property
     def active(self) -> bool:
@@ -90,7 +107,6 @@ class GradGuard:
         """Give every parameter in ``params`` (name, parameter) that needs a gradient and holds none a stand-in.
         ``after_step``: for the gradients a step just consumed, which plain PyTorch keeps in ``p.grad`` until
         ``zero_grad`` ([Note: gradients set to None])."""
-        self.after_step = after_step
         for name, param in params:
             if not param.requires_grad or param.grad is not None:
                 continue
@@ -100,24 +116,33 @@ class GradGuard:
                 stand_in = base.as_subclass(_ChunkGrad)
                 stand_in._pstar_name = name
                 self._stand_ins[id(param)] = stand_in
+            stand_in._pstar_after_step, stand_in._pstar_zeroed = after_step, False
             param.grad = stand_in
-            self._guarded.append((param, stand_in))
+            self._guarded.append((param, stand_in, after_step))
 
-    def remove(self, *, check: bool = True) -> list[torch.Tensor]:
-        """Take the stand-ins away (the step, ``zero_grad``, the next backward ...) and return the parameters whose
-        stand-in user code set to None meanwhile (``model.zero_grad()``, ``p.grad = None``: [Note: gradients set to
-        None]). ``check``: refuse a ``p.grad`` the user assigned meanwhile (the step would not read it)."""
-        guarded, self._guarded = self._guarded, []
+    def remove(self, params: Container[int] | None = None, *, check: bool = True) -> list[tuple[torch.Tensor, bool]]:
+        """Take the stand-ins of ``params`` (ids; default: all) away (the step of their optimizer, ``zero_grad``, the
+        next backward ...) and return the parameters whose stand-in user code set to None meanwhile, each with
+        whether it stood for a consumed step's gradient (``model.zero_grad()``, ``p.grad = None``: [Note: gradients
+        set to None]). ``check``: refuse a ``p.grad`` the user assigned meanwhile (the step would not read it)."""
+        if params is None:
+            guarded, self._guarded = self._guarded, []
+        else:
+            guarded = [g for g in self._guarded if id(g[0]) in params]
+            self._guarded = [g for g in self._guarded if id(g[0]) not in params]
         assigned, dropped = [], []
-        for param, stand_in in guarded:
+        for param, stand_in, after_step in guarded:
             grad = param.grad
-            if grad is stand_in:
+            if grad is stand_in and stand_in._pstar_zeroed:  # zeroed in place after the step: as if set to None
+                param.grad = None
+                dropped.append((param, after_step))
+            elif grad is stand_in:
                 param.grad = None
             elif grad is not None:
                 assigned.append(stand_in._pstar_name)
                 param.grad = None
             else:
-                dropped.append(param)
+                dropped.append((param, after_step))
         if assigned and check:
             raise GradientsInChunksError(
                 f"PatrickStar keeps gradients in its chunks, not in `p.grad`: `p.grad` of {assigned[:3]} was assigned"

@@ -197,6 +197,8 @@ class GradStore:
         if record.waiting:  # a second gradient in one backward (reentrant checkpoint): the first lands first
             self.settle()
         slot = record.slot
+        if slot.state is _HOLD_AFTER_BWD:  # a gradient of an earlier backward that no step consumed yet (a retained
+            self.carry_over([record])  # graph's second backward): kept as a sum ([Note: a forward after the gradient])
         if slot.state not in _TO_HOLD_AFTER_BWD:
             record.set_state(_HOLD_AFTER_BWD)  # raises, before anything is kept
         task = _graph_task()

@@ -553,10 +553,10 @@ class _EngineZeroGrad:
         self.module, self.own, self.manager_ref = module, own, manager_ref
 
     def __call__(self, set_to_none: bool = True) -> None:
-        self.own(set_to_none)
         engine = self.manager_ref()
-        if engine is not None:
+        if engine is not None:  # first: the stand-ins go, so the module's own zero_grad finds no p.grad to zero
             engine.module_zero_grad(self.module)
+        self.own(set_to_none)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         copy = memo.get(id(self.module))  # the module's copy, made before its attributes are copied

@@ -494,22 +494,22 @@ class ChunkManager:
         self.sharding.flush()
         self.phase = Phase.IDLE
 
-    def remove_grad_guard(self, *, check: bool = True) -> None:
-        """Take the ``p.grad`` stand-ins away; gradients user code dropped meanwhile are forgotten ([Note: gradients
-        set to None] in runtime/grad_guard.py): before a step, the engine's copy in the chunks; after a step, the
-        optimizers hear that their parameters were zeroed."""
-        after_step = self.grad_guard.after_step
-        dropped = self.grad_guard.remove(check=check)
+    def remove_grad_guard(self, records: Sequence[ParamRecord] | None = None, *, check: bool = True) -> None:
+        """Take the ``p.grad`` stand-ins of ``records`` (default: all) away; gradients user code dropped meanwhile
+        are forgotten ([Note: gradients set to None] in runtime/grad_guard.py): before a step, the engine's copy in
+        the chunks; after a step, the optimizers hear that their parameters were zeroed."""
+        ids = None if records is None else {id(r.param) for r in records}
+        dropped = self.grad_guard.remove(ids, check=check)
         if not dropped:
             return
         by_id = self.table.by_id
-        records = [by_id[id(p)] for p in dropped if id(p) in by_id]
-        if after_step:
-            indices = {r.index for r in records}
+        stale = {by_id[id(p)].index for p, after_step in dropped if after_step and id(p) in by_id}
+        live = [by_id[id(p)] for p, after_step in dropped if not after_step and id(p) in by_id]
+        if stale:
             for listener in self.zero_grad_listeners:
-                listener(indices)
-        else:
-            self.discard_grads(records)
+                listener(stale)
+        if live:
+            self.discard_grads(live)
 
     def guard_stale_grads(self, records: Sequence[ParamRecord]) -> None:
         """Under Fabric, after a step: stand-ins for the gradients it consumed, until ``zero_grad`` ([Note:
@@ -534,7 +534,7 @@ class ChunkManager:
         """Forget the gradients of ``records`` (default: all; an optimizer's ``zero_grad`` passes its own);
         weights overwritten by gradients are restored from the masters. A family whose step is in flight consumed
         its gradients: its job forgets them when it finishes ([Note: the step pipeline])."""
-        self.remove_grad_guard(check=False)
+        self.remove_grad_guard(records, check=False)
         self.sharding.discard()
         records = self.records if records is None else records
         stepping = self.residency.stepping
