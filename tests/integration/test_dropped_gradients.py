@@ -3,7 +3,8 @@
 ([Note: gradients set to None] in runtime/grad_guard.py, [Note: a module's zero_grad] in runtime/hooks.py).
 
 Each against plain Fabric / plain Lightning on the same seed and data, in 32-true (the engine's arithmetic is the
-plain step's there, to rounding).
+plain step's there, to rounding). Validation's ``zero_grad`` inside a manual accumulation window is tested in
+test_accumulation_pipeline_adversarial.py, more zeroing orders in test_zeroing_adversarial.py.
 """
 
 from __future__ import annotations
@@ -130,31 +131,6 @@ def test_validation_inside_an_accumulation_window_matches_plain_lightning() -> N
     ref = fit_steps(ValEveryBatch(lambda: TinyGPT()), "auto", steps=3, **kwargs)
     got = fit_steps(ValEveryBatch(lambda: TinyGPT()), PatrickStarStrategy(), steps=3, **kwargs)
     assert_same_run(got, ref, what="validation inside an accumulation window")
-
-
-class ManualWindowVal(ValEveryBatch):
-    """Manual optimization accumulating over 3 batches, validating after each: Lightning calls
-    ``on_validation_model_zero_grad`` (``self.zero_grad()``) before each validation, which drops what the window
-    summed so far, in plain Lightning as here."""
-
-    def __init__(self) -> None:
-        super().__init__(lambda: TinyGPT())
-        self.automatic_optimization = False
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        loss = LM.training_step(self, batch, batch_idx)
-        self.manual_backward(loss / 3)
-        if batch_idx % 3 == 2:
-            opt.step()  # type: ignore[union-attr]
-            opt.zero_grad()  # type: ignore[union-attr]
-        return loss.detach()
-
-
-def test_validation_zero_grad_inside_a_manual_window_drops_the_sums_as_plain_lightning() -> None:
-    ref = fit_steps(ManualWindowVal(), "auto", steps=6, val_check_interval=1, limit_val_batches=1)
-    got = fit_steps(ManualWindowVal(), PatrickStarStrategy(), steps=6, val_check_interval=1, limit_val_batches=1)
-    assert_same_run(got, ref, what="validation zero_grad inside a manual window")
 
 
 class EmaCopyZeroes(L.Callback):
