@@ -143,7 +143,7 @@ class ChunkedOptimizer(Optimizer):
                     self._frozen.append(record)
         # this optimizer steps and zeroes only its own parameters (several optimizers may share one model)
         self._records = [r for r in manager.records if r.index in self._book.group_of]
-        manager.zero_grad_listeners.append(self._module_zeroed)  # [Note: a module's zero_grad] in runtime/hooks.py
+        manager.zero_grad_listeners.append(self._module_zeroed)  # [Note: a module's zero_grad]
         own = {r.family.family_id for r in self._records}
         self._families = [f for f in manager.families if f.family_id in own]
         self._own_ids = own

@@ -25,7 +25,7 @@ the stand-ins go back after ``optimizer.step()`` too, standing for the gradients
 keeps in ``p.grad`` until ``zero_grad``: Fabric's model wrapper runs ``nn.Module.zero_grad`` on itself, which sets
 those to None, and that is how the engine knows a loop zeroes with ``model.zero_grad()`` ([Note: gradients end with
 the step] in ``optim/optimizer.py``; the modules of the model itself have their ``zero_grad`` seen directly:
-[Note: a module's zero_grad] in ``hooks.py``).
+[Note: a module's zero_grad] in ``module_zero_grad.py``).
 """
 
 from __future__ import annotations

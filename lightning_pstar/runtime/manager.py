@@ -126,7 +126,7 @@ class ChunkManager:
         self.grads = GradStore(self.residency, mixed=self.mixed, simulated=self.simulated)
         # host-side optimizer steps in flight ([Note: the step pipeline] in runtime/pipeline.py)
         self.pipeline = StepPipeline()
-        # optimizers told when a module's zero_grad forgot gradients ([Note: a module's zero_grad] in hooks.py)
+        # optimizers told when a module's zero_grad forgot gradients ([Note: a module's zero_grad])
         self.zero_grad_listeners: list[Callable[[set[int]], None]] = []
         self.grad_guard = GradGuard()  # [Note: gradients user code cannot see] in runtime/grad_guard.py
         self.tailing = False  # an optimizer.step() returned with steps in flight (optimizer_overlap="next_forward")
@@ -519,7 +519,7 @@ class ChunkManager:
     def module_zero_grad(self, module: torch.nn.Module) -> None:
         """``module.zero_grad()`` (a user's loop, Lightning's ``on_validation_model_zero_grad``): forget the gradients
         of the module's parameters, as torch sets their ``p.grad`` to None ([Note: a module's zero_grad] in
-        hooks.py)."""
+        module_zero_grad.py)."""
         by_id = self.table.by_id
         records = [by_id[id(p)] for p in module.parameters() if id(p) in by_id and by_id[id(p)].param is p]
         if not records:

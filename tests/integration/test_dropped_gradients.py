@@ -1,6 +1,6 @@
 """Gradients user code drops or zeroes another way than ``optimizer.zero_grad()``: ``model.zero_grad()``,
 ``p.grad = None`` between the backward and the step, Lightning's ``on_validation_model_zero_grad``
-([Note: gradients set to None] in runtime/grad_guard.py, [Note: a module's zero_grad] in runtime/hooks.py).
+([Note: gradients set to None] in runtime/grad_guard.py, [Note: a module's zero_grad] in runtime/module_zero_grad.py).
 
 Each against plain Fabric / plain Lightning on the same seed and data, in 32-true (the engine's arithmetic is the
 plain step's there, to rounding). Validation's ``zero_grad`` inside a manual accumulation window is tested in
