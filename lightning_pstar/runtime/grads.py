@@ -33,30 +33,13 @@ When a gradient replaces a weight in its slot (chunk reuse) the parameter's vers
 of a retained graph) raises autograd's in-place error, while a weight saved by reference (``hooks.py``) accepts
 exactly that bump and reads its fp32 master.
 
-[Note: sums beside the backward]
-A micro-batch whose gradients are summed with the next ones (gradient accumulation) adds each of them to the fp32
-GRAD chunk. Where that chunk is on the host (the optimizer states are), the add was host work on the calling thread,
-one parameter at a time as autograd handed the gradients over; on CUDA each one a blocking copy to pageable memory
-first (the first GPU run: 3.7 GB/s, most of an offloaded step's backward). After the warm-up, at one rank, and where
-the coming step runs pipelined (not under ``optimizer_overlap="off"``, nor while ``"auto"`` times or keeps the
-serial step: its trials time each schedule whole), such gradients wait for the rest of their family instead (as
-final ones do), and the family's adds run on a host lane of the step pipeline (``StepPipeline.run_aside``: one
-worker, so a family's sums run in the order they were handed over), while the backward goes on. On CUDA the
-gradients are first copied into one pinned block per family on a side stream, ordered after the compute stream's
-kernels that wrote them (each gradient ``record_stream``-ed, so its memory is not reused before its copy ends); the
-lane waits for that copy's event. The arithmetic is the serial path's: each sum is ``sum.add_(gradient)`` (the first
-micro-batch's a copy), elementwise the same, in the same order per element. At most ``SUMS_IN_FLIGHT`` families wait
-for their sum at once (the backward waits for the oldest), so the gradients kept alive and the pinned copies
-(torch's caching host allocator, counted in its reserved bytes like every pinned block) stay a few families' worth.
-Nothing outlives the backward: :meth:`GradStore.settle` outside a backward (``finish_backward``, the step,
-``zero_grad``, a reader of gradients) hands over what still waits and waits for every sum, and raises the first
-error of one. The warm-up keeps the serial way, so that its trace measures what it always did.
+Accumulating micro-batches' gradients for a GRAD chunk on the host are summed beside the backward
+([Note: sums beside the backward] in :mod:`~lightning_pstar.runtime.grad_sums`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext, suppress
 
 import torch
@@ -66,6 +49,7 @@ from lightning_pstar.planning.requirements import MemoryBudgetError
 from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.grad_sums import HostSums
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import SOURCES_OF, MicroBatch, TensorState, Tier
 
@@ -75,8 +59,6 @@ __all__ = ["GradStore", "refuse_late_gradient"]
 _DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
 _FINAL, _HOLD_AFTER_BWD = MicroBatch.FINAL, TensorState.HOLD_AFTER_BWD
 _TO_HOLD_AFTER_BWD = SOURCES_OF[TensorState.HOLD_AFTER_BWD]
-SUMS_IN_FLIGHT = 4
-"""Families whose gradients may wait for their sum on a host lane at once ([Note: sums beside the backward])."""
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward; each backward has its own id
 
 
@@ -126,12 +108,11 @@ class GradStore:
         # some slot may be in HOLD_AFTER_BWD (a final gradient landed and no step or zero_grad consumed it): only then
         # a forward must look for gradients to carry over ([Note: a forward after the gradient] in manager.py)
         self.held = False
-        # [Note: sums beside the backward]: runs a task on a host lane of the step pipeline (None: sums are added on
+        # [Note: sums beside the backward] in grad_sums.py: the sums on a host lane (its `lane` None: sums are added on
         # the calling thread, one parameter at a time); the gradients of accumulating micro-batches waiting for the
         # rest of their family, and the sums in flight
-        self.aside: Callable[[Callable[[], None]], Future[None]] | None = None
         self._summing: dict[int, list[tuple[ParamRecord, torch.Tensor]]] = {}
-        self._sums: list[Future[None]] = []
+        self.sums = HostSums()
 
     @property
     def accumulating(self) -> bool:
@@ -185,7 +166,7 @@ class GradStore:
         """One rank: take the gradient of ``record`` (a final one lands with its family's: [Note: gradients land
         per family]; one summed over micro-batches is added to the GRAD chunk now, the slot stays ``HOLD``)."""
         if self.micro_batch is not _FINAL:
-            if self.aside is not None and _graph_task() >= 0 and self._sums_aside(record.family):
+            if self.sums.lane is not None and _graph_task() >= 0 and self._sums_aside(record.family):
                 self._sum_aside(record, grad)
                 return
             self._copy_in(self.grad_chunk(record.family), record.slot, grad, add=record.grad_in_grad_chunk)
@@ -268,34 +249,7 @@ class GradStore:
             for part, add in zip(parts, (False, True), strict=True)
             if part
         ]
-        staged = _stage_on_host(work)  # CUDA: copies to pinned memory queued on a side stream, waited for aside
-
-        def run() -> None:
-            if staged is not None:
-                staged.synchronize()
-            for targets, grads, add in work:
-                if add:
-                    torch._foreach_add_(targets, grads)
-                else:
-                    torch._foreach_copy_(targets, grads)
-
-        assert self.aside is not None
-        pending = [f for f in self._sums if not f.done()]
-        if len(pending) >= SUMS_IN_FLIGHT:  # what waits (gradients, pinned copies) stays bounded: the oldest ends
-            pending[0].exception()  # waits; its error is raised by wait_sums
-        self._sums.append(self.aside(run))
-
-    def wait_sums(self) -> None:
-        """Wait for the sums handed to host lanes; raise the first error."""
-        sums, self._sums = self._sums, []
-        failed: BaseException | None = None
-        for future in sums:
-            try:
-                future.result()
-            except BaseException as error:  # noqa: BLE001 - raised once every sum has ended
-                failed = failed or error
-        if failed is not None:
-            raise failed
+        self.sums.submit(work)
 
     def _take(self, family: ChunkFamily) -> None:
         """Offer a family whose final gradients all landed to the step inside the backward."""
@@ -324,8 +278,8 @@ class GradStore:
         if self._summing:
             for fid in list(self._summing):
                 self._sum_family(fid)
-        if self._sums and _graph_task() < 0:
-            self.wait_sums()
+        if self.sums.pending and _graph_task() < 0:
+            self.sums.wait()
         if not self._waiting:
             return
         failed: BaseException | None = None
@@ -499,41 +453,6 @@ class GradStore:
                 if record.slot.state is _HOLD_AFTER_BWD:
                     record.set_state(TensorState.HOLD)
         self._recount_held()
-
-
-def _stage_on_host(work: list[tuple[list[torch.Tensor], list[torch.Tensor], bool]]) -> torch.cuda.Event | None:
-    """CUDA gradients for host targets: queue their copies into pinned host memory on a side stream, ordered after
-    the compute stream's kernels that wrote them, and replace them in ``work`` by those host copies; returns the
-    event the host lane waits on before it reads them ([Note: sums beside the backward]). None off CUDA."""
-    grads = [g for _, part, _ in work for g in part]
-    if not grads or not grads[0].is_cuda:
-        return None
-    device = grads[0].device
-    compute = torch.cuda.current_stream(device)
-    stream = _side_stream(device)
-    stream.wait_stream(compute)
-    with torch.cuda.stream(stream):
-        for i, (targets, part, add) in enumerate(work):
-            # one pinned block per part (the caching host allocator keeps it until the copies that use it end)
-            block = torch.empty(sum(g.numel() for g in part), dtype=part[0].dtype, pin_memory=True)
-            host = [view.view(g.shape) for view, g in zip(block.split([g.numel() for g in part]), part, strict=True)]
-            for copy, grad in zip(host, part, strict=True):
-                copy.copy_(grad, non_blocking=True)
-                grad.record_stream(stream)  # its block is not reused before this copy ends
-            work[i] = (targets, host, add)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return done
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
 
 
 def _unplanned_sums_error(nbytes: int, residency: Residency) -> MemoryBudgetError:

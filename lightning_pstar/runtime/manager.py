@@ -237,7 +237,7 @@ class ChunkManager:
         self.grads.micro_batch = value
 
     def _run_sum_aside(self, task: Callable[[], None]) -> Future[None]:
-        """Run a family's gradient sum on a host lane ([Note: sums beside the backward] in grads.py), counted."""
+        """Run a family's gradient sum on a host lane ([Note: sums beside the backward] in grad_sums.py), counted."""
         self.pipeline.times.sums_in_backward += 1
         return self.pipeline.run_aside(task)
 
@@ -265,10 +265,10 @@ class ChunkManager:
         else:
             self.tracer.start_iteration()
         warmed_up = self.tracer.warmed_up and not self.sharding.distributed
-        # [Note: sums beside the backward] in grads.py: after the warm-up (its trace measures the serial way), at one
-        # rank, where the coming step runs pipelined
+        # [Note: sums beside the backward] in grad_sums.py: after the warm-up (its trace measures the serial way),
+        # at one rank, where the coming step runs pipelined
         overlap = self.config.placement.optimizer_overlap is not OptimizerOverlap.OFF and self.pipeline.pipelined_next
-        self.grads.aside = self._run_sum_aside if warmed_up and overlap else None
+        self.grads.sums.lane = self._run_sum_aside if warmed_up and overlap else None
         self.stationary = self.tracer.untraced = warmed_up and self.residency.nothing_moves(
             self.tracer.trace.peak_non_model
         )

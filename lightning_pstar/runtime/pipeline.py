@@ -299,7 +299,7 @@ class StepPipeline:
         """Run ``fn`` on the D2H stage's worker in a host lane, after what was run aside before it: a read of host
         bytes that nothing writes until the step (a family's gradient norms during the backward: [Note: gradient
         norms inside the backward] in ``optim/overlap.py``), or a family's gradients summed into its host GRAD chunk
-        ([Note: sums beside the backward] in ``grads.py``). :meth:`drain` waits for it. Its result, or its error, is
+        ([Note: sums beside the backward] in ``grad_sums.py``). :meth:`drain` waits for it. Its result, or its error, is
         the returned future's."""
         future: Future[_T] = Future()
 

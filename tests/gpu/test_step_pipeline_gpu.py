@@ -54,8 +54,9 @@ def test_copies_back_inside_the_backward_on_cuda_are_the_serial_step(precision: 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_accumulation_sums_aside_and_pipelined_steps_on_cuda_are_the_serial_step(precision: str) -> None:
     """Gradient accumulation with the optimizer on the host: the accumulating micro-batches' gradients go to pinned
-    memory on a side stream and are summed on a host lane ([Note: sums beside the backward] in runtime/grads.py), and
-    the last micro-batch's jobs add the slot's gradient to those sums ([Note: gradient parts] in optim/host_step.py):
+    memory on a side stream and are summed on a host lane ([Note: sums beside the backward] in
+    runtime/grad_sums.py), and the last micro-batch's jobs add the slot's gradient to those sums ([Note: gradient
+    parts] in optim/host_step.py):
     the serial step's bits (what the first GPU run's offloaded row, accumulation 4, ran serially)."""
     serial, report = _serial_and_pipelined(precision, "accumulation", accumulate_grad_batches=3)
     assert report.host_sums_in_backward > 0 and report.host_step_jobs > 0, report

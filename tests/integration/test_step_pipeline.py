@@ -520,7 +520,7 @@ class TwiceCheckpointed(nn.Module):
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_sums_beside_the_backward_take_two_gradients_of_one_parameter(precision: str) -> None:
     """A parameter's two gradients in one accumulating backward are summed aside in the order they came
-    ([Note: sums beside the backward] in runtime/grads.py): the serial step's bits."""
+    ([Note: sums beside the backward] in runtime/grad_sums.py): the serial step's bits."""
     _, (serial, pipelined) = _pair(
         lambda: LM(TwiceCheckpointed), precision, accumulate_grad_batches=3, loader=make_loader(n_seq=4 * 3 * STEPS)
     )
