@@ -369,6 +369,10 @@ class StepOverlap:
             job.before.append(functools.partial(_unpark_all, params))
             ours = [r for r in family.records if r.index in own]
             job.after.append(functools.partial(_settle_in_flight, manager, family, ours))
+        tracer = manager.tracer
+        if tracer.warmed_up and tracer.matches:  # the next forward's first families step first ([Note: host lanes])
+            ranks = {fid: tracer.trace.next_use(fid, tracer.cursor) for fid in manager.pipeline.family_ids}
+            manager.pipeline.prefer(ranks)
         manager.tailing = manager.pipeline.busy
 
 

@@ -52,110 +52,23 @@ finishes those that completed, and raises the first error.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import functools
+import itertools
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["HostJob", "StageTimes", "StepPipeline", "host_lanes"]
+from lightning_pstar.runtime.lanes import ADAM, D2H, H2D, STAGE_NAMES, Lanes, host_lanes
+
+__all__ = ["HostJob", "StageTimes", "StepPipeline"]
 
 _T = TypeVar("_T")
-
-
-# [Note: host lanes]
-# The three stages are three threads, but only as many of them run CPU work at once as the machine has cores the
-# compute does not use: a stage that would oversubscribe the cores slows the compute thread it is meant to
-# overlap (measured on a 2-core machine: the backward took 105 ms instead of 55 with steps inside it, as D2H and
-# Adam ran beside it at once). Host Adam is always CPU work; a copy is CPU work on a simulated device (a memcpy)
-# and a DMA engine's on CUDA, where its worker only waits. ``host_lanes`` counts the cores left after torch's
-# intra-op threads (the compute's), at least one.
-#
-# A free lane goes to a waiting stage of the latest kind (:class:`_Lanes`: H2D, then Adam, then D2H), claimed when
-# the job is handed over: with one lane, the Adam stage would otherwise take it for job after job while job k's copy
-# back waits behind all of them (measured: a forward that needs the first family waited for every family's Adam),
-# although job k is the one the compute needs first.
-#
-# While the calling thread waits for a job (``optimizer.step()`` finishing the jobs it submitted, a module waiting
-# for its family), its core is idle: it lends one more lane for the wait (:meth:`_Lanes.lent`), and the Adam stage
-# has two worker threads, so that two families' Adams, or an Adam and a copy, run at once there. A stage started
-# in the lent lane runs to its end after the wait; no other stage starts until a lane is free again. Lent only with
-# one intra-op thread: each stage is then one core, as the waiting thread's compute was; with more, every stage's
-# kernels already use the whole intra-op pool and a second stage at once would oversubscribe it.
-def host_lanes() -> int:
-    """How many of the pipeline's CPU stages may run at once ([Note: host lanes])."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - torch.get_num_threads())
-
-
-_D2H, _ADAM, _H2D = 0, 1, 2  # the stages, in the order a job runs them (a later one takes a free lane first)
-_STAGE_NAMES = ("d2h", "adam", "h2d")
-
-
-class _Lanes:
-    """At most ``count`` CPU stages at once; a freed lane goes to a waiting stage of the latest kind (H2D, then
-    Adam, then D2H: the stage that finishes a job first, [Note: host lanes]). Each stage is one worker thread."""
-
-    def __init__(self, count: int) -> None:
-        self._count = count
-        self._free = count
-        self._lent = 0  # lanes lent by waiting callers now
-        self.lent_runs = 0  # stages that started beyond ``count`` (in a lent lane)
-        self._claims = [0, 0, 0]  # per stage: handed to its worker (or waiting there) and not running yet
-        self._changed = threading.Condition()
-
-    def claim(self, stage: int) -> None:
-        """A job was handed to ``stage``'s worker: earlier stages leave it the next free lane (:meth:`held` with
-        ``claimed=True`` takes it)."""
-        with self._changed:
-            self._claims[stage] += 1
-
-    def unclaim(self, stage: int) -> None:
-        """A claim whose hand-off failed (the worker refused the job: the interpreter is shutting down): the
-        earlier stages must not wait for a stage that never comes."""
-        with self._changed:
-            self._claims[stage] -= 1
-            self._changed.notify_all()
-
-    @contextmanager
-    def lent(self) -> Generator[None, None, None]:
-        """One more lane while the calling thread waits for the pipeline (its core is idle meanwhile)."""
-        with self._changed:
-            self._free += 1
-            self._lent += 1
-            self._changed.notify_all()
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._free -= 1  # a stage running in the lent lane ends first; no new one starts until then
-                self._lent -= 1
-
-    @contextmanager
-    def held(self, stage: int, *, claimed: bool) -> Generator[None, None, None]:
-        with self._changed:
-            if not claimed:
-                self._claims[stage] += 1
-            while self._free <= 0 or any(self._claims[stage + 1 :]):
-                self._changed.wait()
-            self._claims[stage] -= 1
-            self._free -= 1
-            if self._count + self._lent - self._free > self._count:
-                self.lent_runs += 1
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._free += 1
-                self._changed.notify_all()
 
 
 @dataclass
@@ -201,6 +114,7 @@ class HostJob:
     # optim/host_step.py)
     opened: Callable[[], None] | None = None
     _done: Future[None] | None = field(default=None, repr=False)
+    _seq: int = field(default=0, repr=False)  # its place in submission order
     _back_open: bool = field(default=False, repr=False)  # its H2D stage may run (under the pipeline's lock)
 
 
@@ -214,9 +128,15 @@ class StepPipeline:
         self._copies_back_open = True
         self._lock = threading.Lock()  # guards the hand-over from the Adam stage to the H2D stage
         self._held: list[HostJob] = []  # jobs past their Adam stage whose H2D stage waits for the backward's end
+        # jobs past their D2H stage that no Adam worker took yet, and what decides which goes first ([Note: host
+        # lanes] in lanes.py): families a caller waits for, the coming iteration's order of use, submission order
+        self._ready: tuple[list[HostJob], list[HostJob]] = ([], [])  # of the D2H and the Adam stage
+        self._urgent: set[int] = set()
+        self._rank: dict[int, int] = {}
+        self._seqs = itertools.count()
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.times = StageTimes()
-        self._lanes = _Lanes(host_lanes())  # [Note: host lanes]
+        self._lanes = Lanes(host_lanes())  # [Note: host lanes]
         self.early: set[int] = set()  # families whose copy back may run inside the backward (``submit(back_now)``)
         self._aside: list[Future[Any]] = []  # reads run beside the backward (:meth:`run_aside`)
         # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
@@ -285,15 +205,22 @@ class StepPipeline:
         copy back runs when its Adam stage is done even while copies back are held (the caller proved it safe)."""
         if job.family_id in self._jobs:
             raise RuntimeError(f"PatrickStar internal error: family {job.family_id} is already stepping")
-        d2h = self._workers()[0]
         if back_now and not self._copies_back_open:
             self.early.add(job.family_id)
             self.times.back_in_backward += 1
         if self._copies_back_open or back_now:
             _open(job)
         job._done = Future()
-        d2h.submit(self._run_d2h, job)  # each stage hands the job to the next: one hand-off on this thread
+        job._seq = next(self._seqs)
+        # each stage hands the job to the next: one hand-off on this thread
+        self._enqueue(job, D2H, on_cpu=job.copies_use_cpu, claim=False)
         self._jobs[job.family_id] = job
+
+    def prefer(self, ranks: dict[int, int]) -> None:
+        """Which jobs in flight an Adam worker takes first: lower ``ranks[family_id]`` first (the coming iteration's
+        order of use; [Note: host lanes] in lanes.py); a family not ranked after every ranked one."""
+        with self._lock:
+            self._rank = dict(ranks)
 
     def run_aside(self, fn: Callable[[], _T]) -> Future[_T]:
         """Run ``fn`` on the D2H stage's worker in a host lane, after what was run aside before it: a read of host
@@ -305,7 +232,7 @@ class StepPipeline:
 
         def run() -> None:
             try:
-                with self._lanes.held(_D2H, claimed=False):
+                with self._lanes.held(D2H, claimed=False):
                     future.set_result(fn())
             except BaseException as error:  # noqa: BLE001 - the caller reads it from the future
                 future.set_exception(error)
@@ -321,7 +248,8 @@ class StepPipeline:
         job = self._jobs.get(family_id)
         if job is None:
             return
-        with self._lock:  # a reader needs it now: its copy back may run
+        with self._lock:  # a reader needs it now: its Adam goes first, its copy back may run
+            self._urgent.add(family_id)
             if not job._back_open:
                 _open(job)
             if job in self._held:
@@ -393,6 +321,8 @@ class StepPipeline:
         finally:
             self.times.wait += perf_counter() - start
             del self._jobs[job.family_id]
+            self._urgent.discard(job.family_id)
+            self._rank.pop(job.family_id, None)
             self.early.discard(job.family_id)
         for first in job.before:
             first()
@@ -422,69 +352,110 @@ class StepPipeline:
         finally:
             setattr(self.times, stage, getattr(self.times, stage) + perf_counter() - start)
 
-    def _hand_on(self, job: HostJob, stage: int, run: Callable[[HostJob], None], *, claim: bool) -> None:
-        """Hand ``job`` to ``stage``'s worker, its place in the lanes claimed first (see :meth:`_stage`). A worker
-        that refuses it (``submit`` after the interpreter began to shut down: a Fabric script ending with a tail in
-        flight) gives the claim back, so that no other stage waits for it, and the job ends with that error."""
+    def _hand_on(self, stage: int, task: Callable[[], None], *, claim: bool) -> None:
+        """Hand a job to ``stage``'s worker (``task`` runs it), its place in the lanes claimed first (see
+        :meth:`_stage`). A worker that refuses it (``submit`` after the interpreter began to shut down: a Fabric
+        script ending with a tail in flight) gives the claim back, so that no other stage waits for it, and the job
+        ends with that error."""
         if claim:
             self._lanes.claim(stage)
         try:
-            self._workers()[stage].submit(run, job)
+            self._workers()[stage].submit(task)
         except BaseException:
             if claim:
                 self._lanes.unclaim(stage)
             raise
 
     def _to_h2d(self, job: HostJob) -> None:
-        """Hand ``job`` to the H2D stage (see :meth:`_hand_on`)."""
-        self._hand_on(job, _H2D, self._run_h2d, claim=job.copies_use_cpu)
+        """Hand ``job`` to the H2D stage (see :meth:`_hand_on`): its copies back run in the order they are opened."""
+        stage = functools.partial(self._stage, lambda: job, H2D, _copy_back, then=_done, on_cpu=job.copies_use_cpu)
+        self._hand_on(H2D, stage, claim=job.copies_use_cpu)
 
-    def _run_d2h(self, job: HostJob) -> None:
-        def then() -> None:
-            self._hand_on(job, _ADAM, self._run_adam, claim=True)
+    def _enqueue(self, job: HostJob, stage: int, *, on_cpu: bool, claim: bool) -> None:
+        """Put ``job`` among ``stage``'s ready jobs and hand that stage one more task: the worker that runs it takes
+        the ready job that goes first once it holds its lane (:meth:`_take_ready`, [Note: host lanes] in lanes.py).
+        A refused task leaves one ready job without a task: ``job`` where still ready (it ends with the error,
+        raised here), else the job last in order."""
+        ready = self._ready[stage]
+        with self._lock:
+            ready.append(job)
+        then = self._after_d2h if stage == D2H else self._after_adam
+        task = functools.partial(self._stage, functools.partial(self._take_ready, stage), stage, _STAGE_RUNS[stage])
+        try:
+            self._hand_on(stage, functools.partial(task, then=then, on_cpu=on_cpu, claimed=claim), claim=claim)
+        except BaseException as error:
+            with self._lock:
+                orphan = job if job in ready else max(ready, key=self._order, default=None)
+                if orphan is not None:
+                    ready.remove(orphan)
+            if orphan is job:
+                raise
+            if orphan is not None:
+                assert orphan._done is not None
+                orphan._done.set_exception(error)
 
-        self._stage(job, _D2H, job.d2h, on_cpu=job.copies_use_cpu and job.copies_out, claimed=False, then=then)
+    def _order(self, job: HostJob) -> tuple[bool, int, int]:
+        fid = job.family_id
+        return fid not in self._urgent, self._rank.get(fid, 1 << 62), job._seq
 
-    def _run_adam(self, job: HostJob) -> None:
-        def then() -> None:
-            assert job._done is not None
-            with self._lock:  # the H2D stage's worker never waits for a gate: a held job waits here, in no queue
-                if job.skip_back:
-                    job._done.set_result(None)
-                elif job._back_open:
-                    self._to_h2d(job)
-                else:
-                    self._held.append(job)
+    def _take_ready(self, stage: int) -> HostJob:
+        ready = self._ready[stage]
+        with self._lock:
+            job = min(ready, key=self._order)
+            ready.remove(job)
+        return job
 
-        self._stage(job, _ADAM, lambda: job.adam(self._scratch_for(job.scratch_numel)), on_cpu=True, then=then)
+    def _after_d2h(self, job: HostJob) -> None:
+        self._enqueue(job, ADAM, on_cpu=True, claim=True)
 
-    def _run_h2d(self, job: HostJob) -> None:
-        def then() -> None:
-            assert job._done is not None
-            job._done.set_result(None)
-
-        self._stage(job, _H2D, job.h2d, on_cpu=job.copies_use_cpu, then=then)
+    def _after_adam(self, job: HostJob) -> None:
+        assert job._done is not None
+        with self._lock:  # the H2D stage's worker never waits for a gate: a held job waits here, in no queue
+            if job.skip_back:
+                job._done.set_result(None)
+            elif job._back_open:
+                self._to_h2d(job)
+            else:
+                self._held.append(job)
 
     def _stage(
-        self, job: HostJob, stage: int, fn: Callable[[], None], *, on_cpu: bool, then: Callable[[], None],
-        claimed: bool = True,
+        self, pick: Callable[[], HostJob], stage: int, run: Callable[[StepPipeline, HostJob], None], *,
+        then: Callable[[HostJob], None], on_cpu: bool, claimed: bool = True,
     ) -> None:  # fmt: skip
-        """Run one stage of ``job`` (timed; in a host lane where it is CPU work), then ``then``; an error ends the job
-        with it (its later stages do not run). ``then`` hands the job on while the stage still holds its lane, and
-        the next stage's place in the lanes is claimed before that (``claimed``: it was), so no younger job's stage
-        takes the lane in between ([Note: host lanes])."""
+        """Run one stage of the job ``pick`` returns once the stage holds its lane (timed; in a host lane where it is
+        CPU work), then ``then``; an error ends the job with it (its later stages do not run). ``then`` hands the
+        job on while the stage still holds its lane, and the next stage's place in the lanes is claimed before that
+        (``claimed``: it was), so no younger job's stage takes the lane in between ([Note: host lanes])."""
+        job: HostJob | None = None
         try:
-            name = _STAGE_NAMES[stage]
-            if on_cpu:
-                with self._lanes.held(stage, claimed=claimed):
-                    self._timed(name, fn)
-                    then()
-            else:
-                self._timed(name, fn)
-                then()
+            name = STAGE_NAMES[stage]
+            with self._lanes.held(stage, claimed=claimed) if on_cpu else contextlib.nullcontext():
+                job = pick()
+                self._timed(name, functools.partial(run, self, job))
+                then(job)
         except BaseException as error:  # noqa: BLE001 - handed to the job's future, raised by _finish
-            assert job._done is not None
+            assert job is not None and job._done is not None
             job._done.set_exception(error)
+
+
+def _copy_out(pipeline: StepPipeline, job: HostJob) -> None:
+    job.d2h()
+
+
+def _adam(pipeline: StepPipeline, job: HostJob) -> None:
+    job.adam(pipeline._scratch_for(job.scratch_numel))
+
+
+def _copy_back(pipeline: StepPipeline, job: HostJob) -> None:
+    job.h2d()
+
+
+def _done(job: HostJob) -> None:
+    assert job._done is not None
+    job._done.set_result(None)
+
+
+_STAGE_RUNS = (_copy_out, _adam, _copy_back)
 
 
 def _open(job: HostJob) -> None:

@@ -542,3 +542,26 @@ def test_a_sum_that_fails_beside_the_backward_raises(monkeypatch: pytest.MonkeyP
     strategy = PatrickStarStrategy(optimizer_overlap="pipeline", **HOST)
     with pytest.raises(MemoryError, match="while summing"):
         fit_steps(_gpt(), strategy, steps=3, precision="bf16-mixed", accumulate_grad_batches=2)
+
+
+def test_next_forward_ranks_the_tail_in_the_order_the_next_forward_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under "next_forward" a step that returns with jobs in flight (a backward started them last-layer first) ranks
+    them in the order the next forward uses their families, for the stages to take ([Note: host lanes] in
+    runtime/lanes.py; tests/unit/test_pipeline.py checks the stages follow the ranks): the layout packs TinyGPT's
+    parameters in module order, which is its forward's, so the ranks follow the family ids. The bits stay the
+    serial step's (``_pair``)."""
+    from lightning_pstar.runtime.pipeline import StepPipeline
+
+    ranked: list[dict[int, int]] = []
+    prefer = StepPipeline.prefer
+
+    def record_prefer(self: StepPipeline, ranks: dict[int, int]) -> None:
+        ranked.append(dict(ranks))
+        prefer(self, ranks)
+
+    monkeypatch.setattr(StepPipeline, "prefer", record_prefer)
+    _pair(_gpt, "32-true", "next_forward")
+    assert len(ranked) == STEPS - 1, ranked  # every step after the warm-up's
+    for ranks in ranked:  # several families of one module share a rank (the next forward needs them together)
+        assert len(ranks) > 1 and [ranks[f] for f in sorted(ranks)] == sorted(ranks.values()), ranks
+        assert len(set(ranks.values())) > 1, ranks

@@ -166,7 +166,7 @@ def test_one_family_settles_or_finishes_while_earlier_copies_back_are_held() -> 
 
 def test_host_lanes_leave_the_compute_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: host lanes]: the cores torch's intra-op threads do not use, at least one."""
-    from lightning_pstar.runtime import pipeline as module
+    from lightning_pstar.runtime import lanes as module
 
     monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
     monkeypatch.setattr(module.torch, "get_num_threads", lambda: 6)
@@ -242,3 +242,61 @@ def test_one_lane_finishes_the_oldest_job_first(monkeypatch: pytest.MonkeyPatch)
     pipeline.drain()
     pipeline.close()
     assert order == [(name, fid) for fid in range(4) for name in ("d2h", "adam", "h2d")]
+
+
+def _gated_jobs(gate: threading.Event, order: list[tuple[str, int]], count: int) -> list[HostJob]:
+    """Jobs whose stages log themselves; job 0's copy out waits for ``gate``, so the others queue behind it."""
+
+    def stage(name: str, fid: int) -> Any:
+        def run(*args: Any) -> None:
+            if (name, fid) == ("d2h", 0):
+                assert gate.wait(10)
+            order.append((name, fid))
+
+        return run
+
+    return [
+        HostJob(
+            family_id=fid, d2h=stage("d2h", fid), adam=stage("adam", fid), h2d=stage("h2d", fid),
+            finish=lambda _: None, scratch_numel=1,
+        )
+        for fid in range(count)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_queued_jobs_run_in_the_order_of_the_coming_iteration(monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
+    """[Note: host lanes]: jobs a backward handed over last-layer first run in the order ``prefer`` gives (the next
+    forward's), not in hand-over order, at each stage that picks its job when it gets a lane."""
+    from lightning_pstar.runtime import pipeline as module
+
+    monkeypatch.setattr(module, "host_lanes", lambda: lanes)
+    monkeypatch.setattr(module.torch, "get_num_threads", lambda: 2)  # the waiting thread lends no lane
+    pipeline, gate, order = StepPipeline(), threading.Event(), []
+    for job in _gated_jobs(gate, order, 5):
+        pipeline.submit(job)
+    pipeline.prefer({4: 0, 3: 1, 2: 2, 1: 3, 0: 4})
+    gate.set()
+    pipeline.drain()
+    pipeline.close()
+    adams = [fid for name, fid in order if name == "adam"]
+    # job 0's copy out had its job before the ranks came; the others waited behind it in the one D2H worker
+    assert adams == [0, 4, 3, 2, 1]
+
+
+def test_a_job_a_caller_waits_for_goes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: host lanes]: ``wait`` puts its family's job before every ranked one (a module needs it now)."""
+    from lightning_pstar.runtime import pipeline as module
+
+    monkeypatch.setattr(module, "host_lanes", lambda: 1)
+    monkeypatch.setattr(module.torch, "get_num_threads", lambda: 2)
+    pipeline, gate, order = StepPipeline(), threading.Event(), []
+    for job in _gated_jobs(gate, order, 4):
+        pipeline.submit(job)
+    pipeline.prefer({1: 0, 2: 1, 3: 2})
+    threading.Timer(0.05, gate.set).start()
+    pipeline.wait(3)  # marks family 3 urgent at once, then waits for it
+    assert [fid for name, fid in order if name == "adam"][:2] == [0, 3]
+    pipeline.drain()
+    pipeline.close()
+    assert [fid for name, fid in order if name == "adam"] == [0, 3, 1, 2]
