@@ -59,7 +59,7 @@ class ParamRecord:
     engine_bumps: int = 0
     """How many times the engine bumped the parameter's version counter by replacing its weight with its gradient in
     the slot (chunk reuse): a tensor saved before reads the weight again once it is back, if every bump since was
-    the engine's ([Note: a forward after the gradient] in ``manager.py``)."""
+    the engine's ([Note: a forward after the gradient] in ``late_gradients.py``)."""
     waiting: bool = False
     """Its final gradient waits for the rest of its family's ([Note: gradients land per family] in ``grads.py``)."""
     pointed: int = -1
@@ -137,7 +137,7 @@ class ChunkFamily:
     dropped_params: int = 0
     # a module of the family computed again inside a backward after the family's gradient of that backward had
     # landed (reentrant activation checkpointing of a module used twice): it may get a second gradient, so it never
-    # steps, nor has its norms taken, inside a backward ([Note: a forward after the gradient] in manager.py)
+    # steps, nor has its norms taken, inside a backward ([Note: a forward after the gradient] in late_gradients.py)
     recomputed_after_grad: bool = False
 
     @property

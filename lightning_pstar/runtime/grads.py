@@ -50,26 +50,17 @@ from lightning_pstar.report import format_bytes
 from lightning_pstar.runtime.chunk import Chunk, ChunkKind, Slot
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.grad_sums import HostSums
+from lightning_pstar.runtime.late_gradients import refuse_late_gradient
 from lightning_pstar.runtime.residency import Residency
 from lightning_pstar.runtime.state import SOURCES_OF, MicroBatch, TensorState, Tier
 
-__all__ = ["GradStore", "refuse_late_gradient"]
+__all__ = ["GradStore"]
 
 # module-level: an Enum member read through its class costs a lookup, and these are read per parameter
 _DEVICE, _PARAM, _MASTER = Tier.DEVICE, ChunkKind.PARAM, ChunkKind.MASTER
 _FINAL, _HOLD_AFTER_BWD = MicroBatch.FINAL, TensorState.HOLD_AFTER_BWD
 _TO_HOLD_AFTER_BWD = SOURCES_OF[TensorState.HOLD_AFTER_BWD]
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward; each backward has its own id
-
-
-def refuse_late_gradient(record: ParamRecord) -> None:
-    raise RuntimeError(
-        f"PatrickStar started the optimizer step of parameter '{record.slot.name}' (chunk {record.family.family_id})"
-        " during the backward, when all its gradients had arrived (optimizer_overlap='pipeline', or 'auto' timing"
-        " it), but it received another gradient in the same backward (a parameter used in two reentrant"
-        " activation-checkpointed segments, or a second backward before the step). HINT: set"
-        " optimizer_overlap='off', or use torch.utils.checkpoint with use_reentrant=False."
-    )
 
 
 def _weights_replaced(records: Sequence[ParamRecord]) -> None:
@@ -106,7 +97,7 @@ class GradStore:
         self.on_final: Callable[[ChunkFamily], bool] | None = None
         self.stepped: set[int] = set()
         # some slot may be in HOLD_AFTER_BWD (a final gradient landed and no step or zero_grad consumed it): only then
-        # a forward must look for gradients to carry over ([Note: a forward after the gradient] in manager.py)
+        # a forward must look for gradients to carry over ([Note: a forward after the gradient] in late_gradients.py)
         self.held = False
         # [Note: sums beside the backward] in grad_sums.py: the sums on a host lane (its `lane` None: sums are added on
         # the calling thread, one parameter at a time); the gradients of accumulating micro-batches waiting for the
@@ -458,7 +449,7 @@ class GradStore:
 def _unplanned_sums_error(nbytes: int, residency: Residency) -> MemoryBudgetError:
     """The host budget has no room for an fp32 gradient sum the setup plan did not count: mixed precision plans one
     only for declared accumulation (``accumulate_grad_batches``), while a module that computes again after its
-    gradient landed ([Note: a forward after the gradient] in manager.py) or micro-batches accumulated without
+    gradient landed ([Note: a forward after the gradient] in late_gradients.py) or micro-batches accumulated without
     declaring it (Fabric) need one per family too."""
     total = sum(f.capacity for f in residency.families if f.trainable) * 4
     return MemoryBudgetError(

@@ -395,7 +395,7 @@ class ModelHooks:
         record = packed.record
         now = record.param._version
         # the engine's bump (the gradient replaced the weight in its slot), no write; or that bump and the weight put
-        # back ([Note: a forward after the gradient] in manager.py)
+        # back ([Note: a forward after the gradient] in late_gradients.py)
         replaced = packed.version == record.replaced_at and (
             now == packed.version + 1 or _restored(record, packed.version, packed.bumps)
         )

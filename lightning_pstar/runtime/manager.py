@@ -38,7 +38,8 @@ from lightning_pstar.runtime.family import (
     release_slots,
 )
 from lightning_pstar.runtime.grad_guard import GradGuard
-from lightning_pstar.runtime.grads import GradStore, refuse_late_gradient
+from lightning_pstar.runtime.grads import GradStore
+from lightning_pstar.runtime.late_gradients import forward_after_gradient
 from lightning_pstar.runtime.materialise import Materialiser
 from lightning_pstar.runtime.new_storage import adopt_new_storage
 from lightning_pstar.runtime.outside_writes import check_outside_writes, note_versions
@@ -282,7 +283,7 @@ class ChunkManager:
             self.recomputes = True
             steps_in_flight.refuse_early_read(self, records)
         if self.grads.held:  # [Note: a forward after the gradient]
-            self._forward_after_gradient(records, in_backward=in_backward)
+            forward_after_gradient(self, records, in_backward=in_backward)
         if self.residency.kept_values:  # [Note: parameters given new storage]
             adopt_new_storage(self, records)
         else:
@@ -297,39 +298,6 @@ class ChunkManager:
             adopt_new_storage(self, records)
         if self.mixed:  # an in-place write to a weight during forward must reach its fp32 master
             self._forward_versions[index] = [r.param._version for r in records]
-
-    def _forward_after_gradient(self, records: Sequence[ParamRecord], *, in_backward: bool) -> None:
-        """[Note: a forward after the gradient]
-        A module may compute again after its parameters' gradients of a backward have landed and before the step
-        that consumes them: a second forward and backward inside one manual-optimization ``training_step`` before
-        ``opt.step()``, a GAN's critic after the generator's loss reached it (no ``toggle_optimizer``), an
-        evaluation forward between two backwards of an accumulation (Fabric without ``no_backward_sync``, or a
-        validation inside a manual accumulation window), or reentrant activation checkpointing of a module used in
-        several segments (weights shared across layers, as ALBERT does), whose second use's recomputation runs
-        after its gradient of the first has landed; the same holds for a module's backward (``pre_backward``) that
-        meets gradients another backward landed (a module used both plainly and under reentrant checkpointing, a
-        second backward through a retained graph). One rank: those gradients are kept as gradients summed with the
-        ones to come, as between accumulating micro-batches (a gradient in the param slot moves into the fp32 GRAD
-        chunk and the slot gets its weight back, ``GradStore.carry_over``), and the module computes with its
-        weights; a later gradient lands beside them and the step reads their sum, as plain PyTorch's ``p.grad``
-        sums. Inside a backward the family is marked too: it never steps, nor has its gradient norms taken, inside
-        a backward again (a second gradient could follow). A family whose step already started inside this
-        backward raises instead, naming the parameter, before anything changes (its job reads those bytes); one in
-        flight from the last step (``"next_forward"``) is left to its job, which forgets its gradients. Several
-        ranks keep refusing (the state transition's error): the gradient was reduced to its owner already."""
-        held = [r for r in records if r.slot.state is _HOLD_AFTER_BWD]
-        if not held or self.sharding.distributed:
-            return
-        for record in held:  # started inside this backward
-            if record.family.family_id in self.grads.stepped:
-                refuse_late_gradient(record)
-        stepping = self.residency.stepping  # in flight from the last step: its job forgets the gradients
-        held = [r for r in held if r.family.family_id not in stepping]
-        if in_backward:
-            for record in held:
-                record.family.recomputed_after_grad = True
-        if held:
-            self.grads.carry_over(held)
 
     def post_forward(self, records: Sequence[ParamRecord], index: int, *, backward_follows: bool) -> None:
         """After a module's forward: its chunks may move again (until its backward, if one follows)."""
@@ -374,7 +342,7 @@ class ChunkManager:
         # a use whose gradient another backward landed first (a module used plainly and under reentrant activation
         # checkpointing, a second backward through a retained graph): [Note: a forward after the gradient]
         if self.grads.held:
-            self._forward_after_gradient(records, in_backward=True)
+            forward_after_gradient(self, records, in_backward=True)
         self.access(records, _COMPUTE, (_BACKWARD, index))
 
     def access(

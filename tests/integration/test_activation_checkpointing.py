@@ -99,7 +99,7 @@ class SharedBlockGPT(nn.Module):
     """One block applied ``uses`` times, each use under ``torch.utils.checkpoint`` (weights shared across layers, as
     ALBERT does), from ``from_call`` on (the earlier forwards use it once): reentrant checkpointing runs each use's
     backward as a backward of its own, so the block computes again after its gradient of a later use has landed
-    ([Note: a forward after the gradient] in runtime/manager.py)."""
+    ([Note: a forward after the gradient] in runtime/late_gradients.py)."""
 
     def __init__(self, use_reentrant: bool = True, uses: int = 3, from_call: int = 0) -> None:
         super().__init__()

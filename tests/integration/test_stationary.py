@@ -118,7 +118,7 @@ class _ForwardBeforeStep(TinyLM):
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_a_forward_between_backward_and_step_matches_plain(precision: str) -> None:
     """The stationary engine (no backward hooks) too runs a forward between the backward and the step with the
-    weights, and steps the gradients of the backward ([Note: a forward after the gradient] in manager.py)."""
+    weights, and steps the gradients of the backward ([Note: a forward after the gradient] in late_gradients.py)."""
     got = fit_steps(_ForwardBeforeStep(), PatrickStarStrategy(), precision=precision, steps=STEPS)
     ref = fit_steps(_ForwardBeforeStep(plain=True), "auto", precision=precision, steps=STEPS)
     if precision == "32-true":

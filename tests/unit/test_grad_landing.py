@@ -154,7 +154,7 @@ def test_what_waits_stays_within_one_chunk_when_families_never_complete() -> Non
 def test_a_second_gradient_in_one_backward_is_summed_with_the_first() -> None:
     """A parameter handed a second gradient in one backward (a reentrant checkpoint's inner backward, a retained
     graph's second backward) gets their sum, as ``p.grad`` does in plain PyTorch: the first lands, is kept as a sum,
-    and the second adds to it ([Note: a forward after the gradient] in runtime/manager.py)."""
+    and the second adds to it ([Note: a forward after the gradient] in runtime/late_gradients.py)."""
     model = _mlp()
     config = PStarConfig.from_flat(chunk_size=1024, placement="static")  # one family holds every layer
     manager = ChunkManager(model, config=config, compute_dtype=torch.float32, device=CPU)
