@@ -213,7 +213,7 @@ class StepPipeline:
         job._done = Future()
         job._seq = next(self._seqs)
         # each stage hands the job to the next: one hand-off on this thread
-        self._enqueue(job, D2H, on_cpu=job.copies_use_cpu, claim=False)
+        self._enqueue(job, D2H, claim=False)
         self._jobs[job.family_id] = job
 
     def prefer(self, ranks: dict[int, int]) -> None:
@@ -368,10 +368,10 @@ class StepPipeline:
 
     def _to_h2d(self, job: HostJob) -> None:
         """Hand ``job`` to the H2D stage (see :meth:`_hand_on`): its copies back run in the order they are opened."""
-        stage = functools.partial(self._stage, lambda: job, H2D, _copy_back, then=_done, on_cpu=job.copies_use_cpu)
+        stage = functools.partial(self._stage, lambda take, only=None: job, H2D, _copy_back, then=_done)
         self._hand_on(H2D, stage, claim=job.copies_use_cpu)
 
-    def _enqueue(self, job: HostJob, stage: int, *, on_cpu: bool, claim: bool) -> None:
+    def _enqueue(self, job: HostJob, stage: int, *, claim: bool) -> None:
         """Put ``job`` among ``stage``'s ready jobs and hand that stage one more task: the worker that runs it takes
         the ready job that goes first once it holds its lane (:meth:`_take_ready`, [Note: host lanes] in lanes.py).
         A refused task leaves one ready job without a task: ``job`` where still ready (it ends with the error,
@@ -382,7 +382,7 @@ class StepPipeline:
         then = self._after_d2h if stage == D2H else self._after_adam
         task = functools.partial(self._stage, functools.partial(self._take_ready, stage), stage, _STAGE_RUNS[stage])
         try:
-            self._hand_on(stage, functools.partial(task, then=then, on_cpu=on_cpu, claimed=claim), claim=claim)
+            self._hand_on(stage, functools.partial(task, then=then, claimed=claim), claim=claim)
         except BaseException as error:
             with self._lock:
                 orphan = job if job in ready else max(ready, key=self._order, default=None)
@@ -398,15 +398,17 @@ class StepPipeline:
         fid = job.family_id
         return fid not in self._urgent, self._rank.get(fid, 1 << 62), job._seq
 
-    def _take_ready(self, stage: int) -> HostJob:
+    def _take_ready(self, stage: int, take: bool, only: HostJob | None = None) -> HostJob:
+        """The ready job of ``stage`` that goes first now (or ``only``), taken (``take``) or only looked at."""
         ready = self._ready[stage]
         with self._lock:
-            job = min(ready, key=self._order)
-            ready.remove(job)
+            job = min(ready, key=self._order) if only is None else only
+            if take:
+                ready.remove(job)
         return job
 
     def _after_d2h(self, job: HostJob) -> None:
-        self._enqueue(job, ADAM, on_cpu=True, claim=True)
+        self._enqueue(job, ADAM, claim=True)
 
     def _after_adam(self, job: HostJob) -> None:
         assert job._done is not None
@@ -419,18 +421,21 @@ class StepPipeline:
                 self._held.append(job)
 
     def _stage(
-        self, pick: Callable[[], HostJob], stage: int, run: Callable[[StepPipeline, HostJob], None], *,
-        then: Callable[[HostJob], None], on_cpu: bool, claimed: bool = True,
+        self, pick: Callable[..., HostJob], stage: int, run: Callable[[StepPipeline, HostJob], None], *,
+        then: Callable[[HostJob], None], claimed: bool = True,
     ) -> None:  # fmt: skip
-        """Run one stage of the job ``pick`` returns once the stage holds its lane (timed; in a host lane where it is
-        CPU work), then ``then``; an error ends the job with it (its later stages do not run). ``then`` hands the
-        job on while the stage still holds its lane, and the next stage's place in the lanes is claimed before that
-        (``claimed``: it was), so no younger job's stage takes the lane in between ([Note: host lanes])."""
+        """Run one stage of the job ``pick(True)`` takes once the stage holds its lane (timed; in a host lane where the
+        job that goes first, ``pick(False)``, needs one: CPU work; else that job), then ``then``; an error ends the
+        job with it (its later stages do not run). ``then`` hands the job on while the stage still holds its lane,
+        and the next stage's place in the lanes is claimed before that (``claimed``: it was), so no younger job's
+        stage takes the lane in between ([Note: host lanes])."""
         job: HostJob | None = None
         try:
             name = STAGE_NAMES[stage]
-            with self._lanes.held(stage, claimed=claimed) if on_cpu else contextlib.nullcontext():
-                job = pick()
+            first = pick(False)
+            lane = _on_cpu(stage, first)
+            with self._lanes.held(stage, claimed=claimed) if lane else _NO_LANE:
+                job = pick(True) if lane else pick(True, first)
                 self._timed(name, functools.partial(run, self, job))
                 then(job)
         except BaseException as error:  # noqa: BLE001 - handed to the job's future, raised by _finish
@@ -456,6 +461,14 @@ def _done(job: HostJob) -> None:
 
 
 _STAGE_RUNS = (_copy_out, _adam, _copy_back)
+_NO_LANE = contextlib.nullcontext()
+
+
+def _on_cpu(stage: int, job: HostJob) -> bool:
+    """Whether ``stage`` of ``job`` is CPU work (a copy on a simulated device, not an empty one; every Adam)."""
+    if stage == ADAM:
+        return True
+    return job.copies_use_cpu and (stage == H2D or job.copies_out)
 
 
 def _open(job: HostJob) -> None:

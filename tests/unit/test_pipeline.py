@@ -264,23 +264,23 @@ def _gated_jobs(gate: threading.Event, order: list[tuple[str, int]], count: int)
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_queued_jobs_run_in_the_order_of_the_coming_iteration(monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
+def test_queued_jobs_run_in_the_order_of_the_coming_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: host lanes]: jobs a backward handed over last-layer first run in the order ``prefer`` gives (the next
-    forward's), not in hand-over order, at each stage that picks its job when it gets a lane."""
+    forward's), not in hand-over order, at each stage that picks its job when it gets a lane (one lane: with two,
+    two Adams run at once and the order they start in is the threads')."""
     from lightning_pstar.runtime import pipeline as module
 
-    monkeypatch.setattr(module, "host_lanes", lambda: lanes)
+    monkeypatch.setattr(module, "host_lanes", lambda: 1)
     monkeypatch.setattr(module.torch, "get_num_threads", lambda: 2)  # the waiting thread lends no lane
     pipeline, gate, order = StepPipeline(), threading.Event(), []
     for job in _gated_jobs(gate, order, 5):
         pipeline.submit(job)
-    pipeline.prefer({4: 0, 3: 1, 2: 2, 1: 3, 0: 4})
+    pipeline.prefer({0: 0, 4: 1, 3: 2, 2: 3, 1: 4})  # job 0 first: its copy out has begun
     gate.set()
     pipeline.drain()
     pipeline.close()
     adams = [fid for name, fid in order if name == "adam"]
-    # job 0's copy out had its job before the ranks came; the others waited behind it in the one D2H worker
+    # the others waited behind job 0 in the one D2H worker, which then took them by rank
     assert adams == [0, 4, 3, 2, 1]
 
 
@@ -300,3 +300,31 @@ def test_a_job_a_caller_waits_for_goes_first(monkeypatch: pytest.MonkeyPatch) ->
     pipeline.drain()
     pipeline.close()
     assert [fid for name, fid in order if name == "adam"] == [0, 3, 1, 2]
+
+
+def test_an_empty_copy_out_takes_no_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose host copy is current (``copies_out=False``) passes its D2H stage while another job's Adam holds
+    the only lane ([Note: host lanes]: an empty stage is no CPU work)."""
+    from lightning_pstar.runtime import pipeline as module
+
+    monkeypatch.setattr(module, "host_lanes", lambda: 1)
+    monkeypatch.setattr(module.torch, "get_num_threads", lambda: 2)
+    pipeline, gate, passed = StepPipeline(), threading.Event(), threading.Event()
+    pipeline.submit(
+        HostJob(
+            family_id=0, d2h=lambda: None, adam=lambda _: gate.wait(10), h2d=lambda: None, finish=lambda _: None,
+            scratch_numel=1,
+        )
+    )  # fmt: skip
+    pipeline.submit(
+        HostJob(
+            family_id=1, d2h=passed.set, adam=lambda _: None, h2d=lambda: None, finish=lambda _: None,
+            scratch_numel=1, copies_out=False,
+        )
+    )  # fmt: skip
+    try:
+        assert passed.wait(5), "the empty copy out waited for the lane job 0's Adam holds"
+    finally:
+        gate.set()
+        pipeline.drain()
+        pipeline.close()
