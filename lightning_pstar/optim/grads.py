@@ -6,17 +6,22 @@ here read the record's two bools it is made of (``grad_in_param_slot``, ``grad_i
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+import lightning_pstar.optim.kernels as kernels
 from lightning_pstar.optim.kernels import WholeFamilyPlan
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.comm import ChunkComm
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
 from lightning_pstar.runtime.state import GradLocation
 
-__all__ = ["family_grads", "grad_location_of", "host_grads", "whole_family_grad_range"]
+if TYPE_CHECKING:
+    from lightning_pstar.runtime.manager import ChunkManager
+
+__all__ = ["family_grads", "global_norm", "grad_location_of", "host_grads", "whole_family_grad_range"]
 
 
 def grad_location_of(record: ParamRecord) -> GradLocation:
@@ -96,3 +101,41 @@ def host_grads(params: Sequence[torch.Tensor], comm: ChunkComm, inv_scale: float
             g = p.grad.float()
             out[id(p)] = g.mul_(inv_scale) if g is not p.grad else g.mul(inv_scale)
     return out
+
+
+def global_norm(
+    manager: ChunkManager,
+    families: Sequence[ChunkFamily],
+    on_host: dict[int, torch.Tensor],
+    in_optimizer: Container[int],
+    inv_scale: float,
+    check_finite: bool,
+    norms_of: Callable[[ChunkFamily], torch.Tensor | None] | None,
+) -> tuple[bool, torch.Tensor | None]:
+    """Whether every gradient is finite, and the global 2-norm, over all ranks (each owns a share): of the gradients
+    of ``families`` (their records in ``in_optimizer``) and of the host-resident ``on_host``. ``norms_of``: a
+    family's norms computed during the backward, where they were ([Note: gradient norms inside the backward] in
+    optim/overlap.py)."""
+    mixed, device = manager.mixed, manager.device
+    # family by family: one family's fp32 gradients exist at a time (not a copy of every gradient at once)
+    parts: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    if on_host:
+        parts.append(kernels.local_norms([list(on_host.values())], check_finite=check_finite, device=device))
+    for family in families:
+        done = norms_of(family) if norms_of is not None else None
+        if done is not None:
+            parts.append((done.to(device), None))
+            continue
+        grads = family_grads(family, in_optimizer, mixed=mixed, inv_scale=inv_scale)
+        parts.append(kernels.local_norms([list(grads.values())], check_finite=check_finite, device=device))
+        del grads
+    norms, nonfinite = kernels.join_norms(parts, check_finite=check_finite, device=device)
+    comm = manager.comm
+    if not comm.distributed:
+        return kernels.read_norm_and_finite(kernels.total_norm(norms), nonfinite)
+    # every rank holds the gradients of the families it owns: sum squares and flags over ranks, on device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    squares = norms.double().square().sum() if norms is not None else zero
+    packed = torch.stack([squares, nonfinite.double() if nonfinite is not None else zero])
+    comm.all_reduce_sum_(packed)
+    return kernels.read_norm_and_finite(torch.sqrt(packed[0]), packed[1])

@@ -30,10 +30,10 @@ from torch.optim import Optimizer
 
 import lightning_pstar.optim.kernels as kernels
 from lightning_pstar.config import NonFinite
-from lightning_pstar.optim.grads import family_grads, host_grads
+from lightning_pstar.optim.grads import family_grads, global_norm, host_grads
 from lightning_pstar.optim.host_step import host_job
 from lightning_pstar.optim.overlap import StepOverlap
-from lightning_pstar.optim.serial_step import SerialFamilyStep
+from lightning_pstar.optim.serial_step import SerialFamilyStep, step_host_params
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.disk_tier import DiskTier
@@ -223,7 +223,7 @@ class ChunkedOptimizer(Optimizer):
                 manager.finish_steps()  # the jobs in flight end before anything else runs
             manager.weights_version += 1  # weights autograd saved by reference are stale now
             self._applied_steps += 1
-            self._step_host_params(on_host, coef)
+            step_host_params(self._book, self.param_groups, on_host, coef, self.gradient_policy.clip_value)
             self._zero_after_step()
 
     def _nonfinite(self, families: list[ChunkFamily]) -> bool:
@@ -346,69 +346,15 @@ class ChunkedOptimizer(Optimizer):
     def _global_norm(
         self, families: list[ChunkFamily], on_host: dict[int, torch.Tensor]
     ) -> tuple[bool, torch.Tensor | None]:
-        """Whether every gradient is finite, and the global 2-norm, over all ranks (each owns a share)."""
-        manager = self._manager
-        mixed, inv_scale = manager.mixed, self.gradient_policy.inv_scale
-        check = self.gradient_policy.check_finite
-        # family by family: one family's fp32 gradients exist at a time (not a copy of every gradient at once)
-        parts: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
-        if on_host:
-            parts.append(kernels.local_norms([list(on_host.values())], check_finite=check, device=manager.device))
-        for family in families:
-            done = None if check or inv_scale != 1.0 else self.overlap.norms_of(family)
-            if done is not None:  # [Note: gradient norms inside the backward] in optim/overlap.py
-                parts.append((done.to(manager.device), None))
-                continue
-            grads = family_grads(family, self._book.group_of, mixed=mixed, inv_scale=inv_scale)
-            parts.append(kernels.local_norms([list(grads.values())], check_finite=check, device=manager.device))
-            del grads
-        norms, nonfinite = kernels.join_norms(parts, check_finite=check, device=manager.device)
-        comm = manager.comm
-        if not comm.distributed:
-            return kernels.read_norm_and_finite(kernels.total_norm(norms), nonfinite)
-        # every rank holds the gradients of the families it owns: sum squares and flags over ranks, on device
-        zero = torch.zeros((), dtype=torch.float64, device=manager.device)
-        squares = norms.double().square().sum() if norms is not None else zero
-        packed = torch.stack([squares, nonfinite.double() if nonfinite is not None else zero])
-        comm.all_reduce_sum_(packed)
-        finite, total = kernels.read_norm_and_finite(torch.sqrt(packed[0]), packed[1])
-        return finite, total
+        policy = self.gradient_policy
+        norms_of = None if policy.check_finite or policy.inv_scale != 1.0 else self.overlap.norms_of
+        return global_norm(
+            self._manager, families, on_host, self._book.group_of, policy.inv_scale, policy.check_finite, norms_of
+        )
 
     def _host_params(self) -> list[torch.Tensor]:
         """Host-resident parameters (cpu_embedding), in param-group order."""
         return [p for group in self.param_groups for p in group["params"] if self._book.is_host(p)]
-
-    def _step_host_params(self, grads: dict[int, torch.Tensor], coef: float) -> None:
-        """Step host-resident parameters with the same fused kernels (their state lives beside them)."""
-        if not grads:
-            return
-        host_state = self._book.host_state
-        for group in self.param_groups:
-            params = [p for p in group["params"] if id(p) in grads]
-            if not params:
-                continue
-            g = [grads[id(p)] for p in params]
-            kernels.scale_and_clamp(g, coef, self.gradient_policy.clip_value)
-            data = [p.detach() for p in params]
-            if self._book.is_adam:
-                states = [host_state.setdefault(id(p), {}) for p in params]
-                for p, st in zip(params, states, strict=True):
-                    if not st:
-                        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avgs = [st["exp_avg"] for st in states]
-                kernels.fused_adam(
-                    group, data, g, exp_avgs, [st["exp_avg_sq"] for st in states], [st["step"] for st in states]
-                )
-                continue
-            for p, x, grad in zip(params, data, g, strict=True):
-                # one call per parameter: each momentum buffer starts on its parameter's first step
-                state = host_state.setdefault(id(p), {})
-                bufs: list[torch.Tensor | None] = [state.get("momentum_buffer")]
-                kernels.fused_sgd(group, [x], [grad], bufs)
-                if bufs[0] is not None:
-                    state["momentum_buffer"] = bufs[0]
 
     # ---- the rest of torch's Optimizer interface ---------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from lightning_pstar.runtime.state import Tier
 if TYPE_CHECKING:
     from lightning_pstar.runtime.manager import ChunkManager
 
-__all__ = ["SerialFamilyStep"]
+__all__ = ["SerialFamilyStep", "step_host_params"]
 
 
 class _Groups(Protocol):
@@ -161,3 +161,43 @@ class SerialFamilyStep:
             for record in family.records:
                 manager.slot_holds_weight(record)  # the parameter points at the new weight again
         return True
+
+
+def step_host_params(
+    book: OptimizerBook,
+    param_groups: list[dict[str, Any]],
+    grads: dict[int, torch.Tensor],
+    coef: float,
+    clip_value: float | None,
+) -> None:
+    """Step the host-resident parameters (``cpu_embedding``) of ``param_groups`` that have gradients (``grads``, by
+    ``id``) with the same fused kernels as the chunks; their states live beside them, in ``book.host_state``."""
+    if not grads:
+        return
+    host_state = book.host_state
+    for group in param_groups:
+        params = [p for p in group["params"] if id(p) in grads]
+        if not params:
+            continue
+        g = [grads[id(p)] for p in params]
+        kernels.scale_and_clamp(g, coef, clip_value)
+        data = [p.detach() for p in params]
+        if book.is_adam:
+            states = [host_state.setdefault(id(p), {}) for p in params]
+            for p, st in zip(params, states, strict=True):
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs = [st["exp_avg"] for st in states]
+            kernels.fused_adam(
+                group, data, g, exp_avgs, [st["exp_avg_sq"] for st in states], [st["step"] for st in states]
+            )
+            continue
+        for p, x, grad in zip(params, data, g, strict=True):
+            # one call per parameter: each momentum buffer starts on its parameter's first step
+            state = host_state.setdefault(id(p), {})
+            bufs: list[torch.Tensor | None] = [state.get("momentum_buffer")]
+            kernels.fused_sgd(group, [x], [grad], bufs)
+            if bufs[0] is not None:
+                state["momentum_buffer"] = bufs[0]
