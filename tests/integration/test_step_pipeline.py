@@ -146,7 +146,7 @@ class LanePeek(L.Callback):
 @pytest.mark.parametrize(("precision", "clip"), [("32-true", True), ("bf16-mixed", True), ("bf16-mixed", False)])
 def test_lent_lanes_keep_the_bits(precision: str, clip: bool) -> None:
     """With one intra-op thread a caller waiting for the pipeline lends its core: two families' Adams (or an Adam
-    and a copy) run at once ([Note: host lanes] in runtime/pipeline.py), with the serial step's bits."""
+    and a copy) run at once ([Note: host lanes] in runtime/lanes.py), with the serial step's bits."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     peek = LanePeek()
