@@ -77,6 +77,8 @@ __all__ = ["ModelHooks", "holds_compiled_code"]
 
 _profiling = torch._C._autograd._profiler_enabled
 _graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outside one)
+# normalisations whose CPU kernels refuse an fp32 input next to compute-dtype parameters (``ModelHooks``)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
 
 
 def _traced(name: str, fn: Any, *args: Any) -> Any:
@@ -212,6 +214,8 @@ class ModelHooks:
             for module in self.manager.table.module_records:
                 if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
                     add(module, self._batchnorm_params_in_fp32, self._batchnorm_params_back)
+                elif isinstance(module, _NORMS):
+                    add(module, self._norm_params_in_fp32_for_fp32_input, self._batchnorm_params_back)
         if self.manager.mixed:
             for module in self.manager.table.module_records:
                 if isinstance(module, nn.EmbeddingBag):
@@ -267,6 +271,18 @@ class ModelHooks:
                 module._parameters[name] = param.float()  # type: ignore[assignment]
         if stash:
             self._stats_stash[module] = stash
+
+    # The other normalisations (LayerNorm, GroupNorm, InstanceNorm, BatchNorm without running statistics) meet the
+    # same refusal on a CPU for an fp32 input next to compute-dtype parameters ("mixed dtype (CPU): expect parameter
+    # to have scalar type of Float"; autocast lists none of them there): a residual stream that an fp32 tensor made
+    # in the forward promoted to fp32 (Lightning's demo Transformer adds its fp32 positional encoding), or a
+    # submodule called directly on an fp32 tensor. Plain Lightning computes those in fp32 with fp32 weights; so do
+    # they here, with fp32 copies of the compute-dtype parameters, for such an input only (a compute-dtype input
+    # keeps the compute-dtype kernel, as before; on CUDA autocast casts these ops to fp32 anyway).
+    def _norm_params_in_fp32_for_fp32_input(self, module: nn.Module, args: Any) -> None:
+        self._batchnorm_params_back(module)
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
+            self._batchnorm_params_in_fp32(module, args)
 
     def _batchnorm_params_back(self, module: nn.Module, *_: Any) -> None:
         for name, param in self._stats_stash.pop(module, {}).items():
