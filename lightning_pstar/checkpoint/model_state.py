@@ -318,7 +318,7 @@ def drop_weights(manager: ChunkManager) -> None:
 
 def _free_family(family: ChunkFamily) -> None:
     for chunk in family.chunks.values():
-        chunk.release()
+        chunk.let_go()  # a view of a weight that user code kept past the run keeps its bytes
     host_arena().release()  # the idle blocks this family left, now: not the whole pinned cache at the end
 
 

@@ -422,6 +422,24 @@ class Chunk:
         self._stats.freed(self._tier, self.nbytes)
         self._set_tier(None)
 
+    def let_go(self) -> None:
+        """The run is over: as :meth:`release`, but the tier's storage is let go instead of freed in place. It is
+        freed with its last reference, this chunk's, unless user code kept a view of a weight past the run (a
+        ``param.detach()`` taken in a callback): plain PyTorch's view of a parameter outlives ``fit`` and reads the
+        final weight, and so does it here, where a storage freed in place under it would crash the process."""
+        if self._tier is None or self._tier is Tier.DISK:
+            self.release()
+            return
+        self.drop_host_copy()  # a copy nothing outside the engine points at (parameters point at the tier's buffer)
+        self._device_views.clear()
+        self._host_views.clear()
+        if self._tier is _DEVICE:
+            self._device_buffer = torch.empty(0, dtype=self.dtype, device=self._device_buffer.device)
+        else:
+            self._host_buffer = None  # a pinned buffer's ledger entry goes with it (HostArena._collected)
+        self._stats.freed(self._tier, self.nbytes)
+        self._set_tier(None)
+
     # ---- the disk tier ([Note: disk families] in runtime/disk_tier.py; the bytes move through its DiskStore) ----
     @property
     def lent(self) -> bool:

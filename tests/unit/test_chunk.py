@@ -208,6 +208,28 @@ def test_moving_a_chunk_with_a_compute_slot_raises(target: Tier) -> None:
 
 
 @pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.HOST])
+def test_let_go_frees_the_storage_with_its_last_reference(tier: Tier) -> None:
+    """``Chunk.let_go`` (the end of a run): a view user code kept reads the chunk's last bytes; without one the
+    storage dies with the chunk's reference."""
+    import weakref
+
+    stats = TransferStats()
+    chunk = _chunk(stats)
+    chunk.allocate(tier)
+    chunk.data.copy_(torch.arange(24, dtype=torch.float32))
+    kept = chunk.data[8:12].view(4)  # as a `param.detach()` taken in a callback
+    chunk.let_go()
+    assert chunk.tier is None and stats.per_tier_bytes == {Tier.DEVICE: 0, Tier.HOST: 0}
+    assert torch.equal(kept, torch.arange(8, 12, dtype=torch.float32))  # readable: nothing was freed under it
+    other = _chunk()
+    other.allocate(tier)
+    gone = weakref.ref(other.data.untyped_storage())
+    other.let_go()
+    assert gone() is None  # freed with the chunk's own reference
+    other.let_go()  # idempotent
+
+
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.HOST])
 def test_release_frees_storage(tier: Tier) -> None:
     stats = TransferStats()
     chunk = _chunk(stats)
