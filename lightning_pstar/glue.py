@@ -24,6 +24,7 @@ from lightning_pstar.config import HostMalloc, PStarConfig, check_option_names
 from lightning_pstar.host_malloc import applied as host_malloc_applied
 from lightning_pstar.host_malloc import keep_freed_host_memory
 from lightning_pstar.optim import ChunkedOptimizer
+from lightning_pstar.optim.user_optimizer import restore_user_optimizer
 from lightning_pstar.precision import ChunkPrecision
 from lightning_pstar.report import MemoryReport, format_bytes
 from lightning_pstar.runtime.comm import ChunkComm
@@ -208,6 +209,9 @@ def hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Seque
 def _hand_back(manager: ChunkManager, hooks: ModelHooks | None, optimizers: Sequence[Any], *, failed: bool) -> EndOfRun:
     if hooks is not None:
         hooks.remove()
+    for opt in optimizers:  # its own methods again ([Note: the user's own optimizer] in optim/user_optimizer.py)
+        if isinstance(opt, ChunkedOptimizer):
+            restore_user_optimizer(opt.user_optimizer)
     try:
         manager.finish_steps()  # a step in flight ends before the weights leave
     finally:

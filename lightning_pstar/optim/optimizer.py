@@ -35,6 +35,7 @@ from lightning_pstar.optim.host_step import host_job
 from lightning_pstar.optim.overlap import StepOverlap
 from lightning_pstar.optim.serial_step import SerialFamilyStep, step_host_params
 from lightning_pstar.optim.state_dict import ChunkedStateDict, OptimizerBook, ReadTensors
+from lightning_pstar.optim.user_optimizer import GroupLayout, redirect_user_optimizer, share_hooks
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.disk_tier import DiskTier
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
@@ -116,6 +117,8 @@ class ChunkedOptimizer(Optimizer):
         super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
         self._adding_initial_groups = False
         self.param_groups = optimizer.param_groups
+        share_hooks(self, optimizer)  # [Note: the user's own optimizer] in optim/user_optimizer.py
+        self._layout = GroupLayout(self.param_groups)
         self.state = _StatesInChunks(dict)
         self._user_optimizer = optimizer
         self._manager = manager
@@ -150,9 +153,13 @@ class ChunkedOptimizer(Optimizer):
         self._serial = SerialFamilyStep(self, manager, self._book)  # a family's step where no host job runs
         self.overlap = StepOverlap(self, manager)  # the schedule, the step inside the backward, the tail
         kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if self._book.is_adam else []
-        if not self._book.is_adam and any(g["momentum"] != 0 for g in self.param_groups):
+        self._momentum = not self._book.is_adam and any(g["momentum"] != 0 for g in self.param_groups)
+        if self._momentum:
             kinds = [ChunkKind.EXP_AVG]
+        self._kept_zeros: set[int] = set()  # records whose p.grad zero_grad(set_to_none=False) kept as zeros
+        self._stepped_grads: set[int] = set()  # records with a gradient at the last step (torch's p.grad stays)
         manager.add_optimizer_chunks(kinds, self._families)
+        redirect_user_optimizer(optimizer, self)
 
     @property
     def user_optimizer(self) -> Optimizer:
@@ -173,6 +180,7 @@ class ChunkedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_changes_since_setup()
         # p.grad stand-ins ([Note: gradients user code cannot see]); gradients user code set to None are not stepped
         self._manager.remove_grad_guard(self._records)
         try:
@@ -225,6 +233,31 @@ class ChunkedOptimizer(Optimizer):
             self._applied_steps += 1
             step_host_params(self._book, self.param_groups, on_host, coef, self.gradient_policy.clip_value)
             self._zero_after_step()
+
+    def _refuse_changes_since_setup(self) -> None:
+        """Raise, before anything changes, for what the step cannot honour since setup: param groups changed
+        ([Note: the user's own optimizer]), SGD momentum turned on where the run has no momentum buffers, or a
+        parameter whose gradient ``zero_grad(set_to_none=False)`` kept as zeros and that got none since (torch
+        steps it with a zero gradient, moving it by momentum and weight decay)."""
+        self._layout.check()
+        if not self._book.is_adam and not self._momentum and any(g["momentum"] != 0 for g in self.param_groups):
+            raise RuntimeError(
+                "PatrickStar: SGD momentum was turned on during the run, but the optimizer had momentum=0 in every"
+                " param group at setup, so no momentum buffers were laid out. Nothing was stepped. HINT: create the"
+                " SGD with the momentum it will use (a scheduler may change it, and set it to 0 where it is off)."
+            )
+        self._stepped_grads.clear()  # shared with LightningOptimizer's copies of __dict__: changed in place
+        self._stepped_grads.update(r.index for r in self._records if r.has_grad)
+        if self._kept_zeros:
+            missing = [r for r in self._records if r.index in self._kept_zeros and r.index not in self._stepped_grads]
+            if missing:
+                names = ", ".join(f"'{r.names[0]}'" for r in missing[:5])
+                raise RuntimeError(
+                    f"PatrickStar: parameter(s) {names} got no gradient since `zero_grad(set_to_none=False)` kept"
+                    " theirs as zeros; torch would step them with a zero gradient (momentum and weight decay move"
+                    " them), which PatrickStar does not. Nothing was stepped. HINT: use `zero_grad()` (torch's"
+                    " default set_to_none=True), with which torch skips them too."
+                )
 
     def _nonfinite(self, families: list[ChunkFamily]) -> bool:
         """``mixed_precision.nonfinite``: whether this step must not be applied, because a backward since the last
@@ -417,6 +450,12 @@ class ChunkedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of this optimizer's parameters (weights overwritten by gradients are restored
         from the masters); another optimizer's gradients stay for its own step."""
+        if set_to_none:
+            self._kept_zeros.clear()
+        else:  # torch keeps a zero p.grad where there was one (the last step's stay in p.grad), and steps it
+            self._kept_zeros |= {r.index for r in self._records if r.has_grad}
+            if self._zeroed_by_step[0]:
+                self._kept_zeros |= self._stepped_grads
         self._zeroed_by_step[0] = False
         self._read_norm = None
         self.overlap.forget_norms()

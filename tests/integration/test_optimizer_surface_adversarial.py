@@ -472,7 +472,6 @@ class MomentumOn(L.Callback):
                 group["momentum"] = 0.9
 
 
-@pytest.mark.xfail(strict=True, reason="SGD created with momentum=0, momentum set >0 mid-run: raw KeyError(EXP_AVG)")
 def test_sgd_momentum_turned_on_mid_run_matches_plain_or_is_refused_clearly() -> None:
     make = lambda: OptLM(lambda m: torch.optim.SGD(trainable(m), lr=0.05, fused=True))  # noqa: E731
     ref = run(make(), None, callbacks=(MomentumOn(),))
@@ -544,9 +543,6 @@ class UserHookLM(OptLM):
         return opt
 
 
-@pytest.mark.xfail(
-    strict=True, reason="step hooks registered on the optimizer configure_optimizers returns never run (silent)"
-)
 def test_step_hooks_registered_on_the_users_optimizer_run() -> None:
     ref = run(UserHookLM(), None)
     assert ref.module.pre_calls == ref.module.post_calls == STEPS
@@ -629,11 +625,6 @@ def test_zero_grad_keeping_zeros_every_parameter_used() -> None:
     check(lambda: KeepGradsLM(every_batch=True), configs=("off", "auto", "next_forward", "device"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zero_grad(set_to_none=False) then a step where a param got no gradient: torch steps it with zeros"
-    " (Adam moves it), PatrickStar skips it silently",
-)
 def test_zero_grad_keeping_zeros_with_a_branch_skipped_on_some_steps() -> None:
     ref = run(KeepGradsLM(), None)
     got = outcome(lambda: run(KeepGradsLM(), "off"))
@@ -675,11 +666,6 @@ class GroupsEditedLM(OptLM):
                 self.opt.param_groups[1]["params"] = block
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="param groups changed on the user's own optimizer after setup (add_param_group, params removed/moved) are"
-    " silently ignored: the engine keeps setup's membership",
-)
 @pytest.mark.parametrize("how", ["add_param_group", "params_removed", "params_moved"])
 def test_param_groups_changed_on_the_users_optimizer_after_setup(how: str) -> None:
     ref = run(GroupsEditedLM(how), None)
@@ -715,11 +701,6 @@ class UserReferenceLM(OptLM):
             self.sizes.append(len(self.opt.state_dict()["state"]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="state_dict()/load_state_dict() on the user's own optimizer object during training: empty states /"
-    " silently not loaded into the chunks",
-)
 @pytest.mark.parametrize("how", ["state_dict", "load_state_dict"])
 def test_state_dict_through_the_users_own_optimizer_reference(how: str) -> None:
     first = run(OptLM(_adamw), None, steps=3)
@@ -759,7 +740,6 @@ def _fabric_hooked(strategy: Any) -> tuple[int, list[float]]:
     return len(calls), losses
 
 
-@pytest.mark.xfail(strict=True, reason="Fabric: step hooks registered on the optimizer before fabric.setup never run")
 def test_fabric_step_hooks_registered_before_setup_run() -> None:
     calls, losses = _fabric_hooked("auto")
     assert calls == 3
@@ -805,11 +785,6 @@ class RawOptimizerLM(LM):
         return loss
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stepping the raw optimizer kept from configure_optimizers raises GradientsInChunksError blaming a"
-    " hook between backward and step, never naming the raw optimizer or self.optimizers()",
-)
 def test_raw_optimizer_in_manual_optimization_is_refused_naming_it() -> None:
     ref = run(RawOptimizerLM(), None, steps=-1, max_epochs=1)  # the raw step is not counted in global_step
     assert len(ref.losses) == 4
