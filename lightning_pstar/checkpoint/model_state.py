@@ -224,6 +224,9 @@ def owned_tensors(manager: ChunkManager) -> dict[str, torch.Tensor]:
             for record in family.records:
                 sl = flat[record.slot.offset : record.slot.offset + record.slot.numel]
                 out[f"model/{record.names[0]}"] = sl.view(record.slot.shape).clone()
+        if manager.comm.rank == 0:  # host-resident embeddings (cpu_embedding): the same on every rank
+            for name, param in manager.host_params.items():
+                out[f"model/{name}"] = param.detach().float().clone()
     return out
 
 
@@ -232,6 +235,9 @@ def sharded_info(manager: ChunkManager) -> dict[str, Any]:
     keys = list(manager.module.state_dict(keep_vars=True).keys())
     canonical = {name: r.names[0] for r in manager.records for name in r.names}
     dtypes = {name: str(r.orig_dtype).replace("torch.", "") for r in manager.records for name in r.names}
+    for name, param in manager.host_params.items():  # cpu_embedding: outside the chunks, saved under their name
+        canonical[name] = name
+        dtypes[name] = str(param.dtype).replace("torch.", "")
     return {"state_dict_keys": keys, "canonical": canonical, "dtypes": dtypes}
 
 
@@ -246,9 +252,10 @@ def load_owned_tensors(
     """Load a sharded checkpoint's weights: check names and shapes first (then ``checked``, as in
     :func:`load_full_state_dict`), then read what this rank owns."""
     expected = {f"model/{r.names[0]}": r for r in manager.records}
+    host = {f"model/{name}": param for name, param in manager.host_params.items()}  # cpu_embedding
     stored_model = {k for k in stored if k.startswith("model/")}
-    missing = sorted(k[len("model/") :] for k in set(expected) - stored_model)
-    unexpected = sorted(k[len("model/") :] for k in stored_model - set(expected))
+    missing = sorted(k[len("model/") :] for k in (set(expected) | set(host)) - stored_model)
+    unexpected = sorted(k[len("model/") :] for k in stored_model - set(expected) - set(host))
     if missing or unexpected:
         raise KeyError(
             f"the sharded checkpoint does not match the model: missing keys {missing}, unexpected keys"
@@ -260,11 +267,20 @@ def load_owned_tensors(
                 f"the sharded checkpoint stores '{key[len('model/') :]}' with shape {tuple(stored[key])}, the"
                 f" model has {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model."
             )
+    for key, param in host.items():
+        if tuple(stored[key]) != tuple(param.shape):
+            raise ValueError(
+                f"the sharded checkpoint stores '{key[len('model/') :]}' with shape {tuple(stored[key])}, the"
+                f" model has {tuple(param.shape)}. HINT: the checkpoint belongs to another model."
+            )
     checked()
     wanted = {k: stored[k] for k, r in expected.items() if manager.owns(r.family)}
-    values = read(wanted)
+    values = read({**wanted, **{k: stored[k] for k in host}})  # every rank holds the host embeddings
     with torch.no_grad():
         for key, value in values.items():
+            if key in host:
+                host[key].copy_(value)
+                continue
             record = expected[key]
             manager.fill_slot(record, value)
             manager.slot_holds_weight(record)  # the slot holds the loaded weight

@@ -240,7 +240,8 @@ class ChunkedStateDict:
             if book.is_host(p):
                 if manager.rank == 0:
                     for name, value in book.host_state.get(id(p), {}).items():
-                        out[f"{prefix}{index}/{name}"] = value.detach().to("cpu", copy=True).reshape(-1)
+                        value = value.detach().to("cpu", copy=True)
+                        out[f"{prefix}{index}/{name}"] = value.reshape(-1) if name == "step" else value
                 continue
             entry = states.get(manager.record_of(p).index)
             for name, value in (entry or {}).items():

@@ -207,16 +207,7 @@ CONFIG_CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-_CPU_EMBEDDING_SHARDED = pytest.mark.xfail(
-    strict=True,
-    reason="checkpoint='sharded' does not load across cpu_embedding on/off: 'does not match the model: missing"
-    " (or unexpected) keys [model.wpe.weight] ... use a checkpoint of this model' (it is this model;"
-    " consolidated works)",
-)
-CHANGE_CASES = [
-    pytest.param(name, marks=_CPU_EMBEDDING_SHARDED) if name.startswith("sharded_cpu_embedding") else name
-    for name in sorted(CONFIG_CHANGES)
-]
+CHANGE_CASES = sorted(CONFIG_CHANGES)
 
 
 @pytest.mark.parametrize("change", CHANGE_CASES)
@@ -1637,7 +1628,6 @@ _CPU_EMBEDDING_LOST = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason=f"{_CPU_EMBEDDING_LOST}; the resume silently keeps the fresh module's wpe")
 def test_sharded_checkpoint_with_cpu_embedding_resumes_exactly(plain_straight: Any, tmp_path: Path) -> None:
     """``cpu_embedding=True`` (the untied position embedding lives on the host, outside the chunks), saved and
     resumed sharded in the same configuration: plain Lightning's straight run, bit for bit."""
@@ -1648,7 +1638,6 @@ def test_sharded_checkpoint_with_cpu_embedding_resumes_exactly(plain_straight: A
     _assert_exact_tail(resumed, plain, BATCHES, "sharded with cpu_embedding")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{_CPU_EMBEDDING_LOST}; consolidate() fails: KeyError 'model/model.wpe.weight'")
 def test_sharded_checkpoint_with_cpu_embedding_consolidates(plain_straight: Any, tmp_path: Path) -> None:
     from lightning_pstar.checkpoint import consolidate
 
@@ -1658,7 +1647,6 @@ def test_sharded_checkpoint_with_cpu_embedding_consolidates(plain_straight: Any,
     _assert_same_file(_load(tmp_path / "out.ckpt"), _load(plain_dir / "epoch=0.ckpt"), "consolidated")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{_CPU_EMBEDDING_LOST} (Fabric too); the load keeps the fresh model's wpe")
 def test_fabric_sharded_checkpoint_with_cpu_embedding_round_trips(tmp_path: Path) -> None:
     options = {"checkpoint": "sharded", "cpu_embedding": True}
     fabric, model, opt = _fabric(PatrickStarFabricStrategy(**options))
