@@ -165,11 +165,15 @@ def check_optimizer_groups(optimizers: Sequence[Any], checkpoint: Mapping[str, A
     """Refuse optimizer states of other param groups (their number or sizes) before the model's weights change:
     run as ``checked`` of :func:`load_model_state`, once the model's names and shapes are known to match (a
     checkpoint of another model is named as that, not as other groups)."""
+    states = None if checkpoint.get(SHARDED_KEY) else checkpoint.get("optimizer_states")
     for k, (opt, (_, groups)) in enumerate(zip(optimizers, _saved_optimizers(checkpoint), strict=False)):
         chunked = chunked_of(opt)
         if chunked is not None:
             try:
-                chunked.state_io.check_groups(groups)
+                if states is not None:  # the whole state is here: every entry is checked (fields, shapes) too
+                    chunked.state_io.validated(states[k])
+                else:
+                    chunked.state_io.check_groups(groups)
             except ValueError as err:
                 raise ValueError(f"optimizer {k} state in the checkpoint: {err}") from err  # named by the caller
 

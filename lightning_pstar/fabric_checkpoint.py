@@ -149,7 +149,10 @@ def _check_groups(state: Mapping[str, Any], checkpoint: Mapping[str, Any], keys:
         chunked = chunked_of(state.get(key))
         if chunked is not None:
             try:
-                chunked.state_io.check_groups(groups)
+                if not sharded:  # the whole state is here: every entry is checked (fields, shapes) too
+                    chunked.state_io.validated(checkpoint[key])
+                else:
+                    chunked.state_io.check_groups(groups)
             except ValueError as err:
                 raise ValueError(f"optimizer '{key}' in the checkpoint: {err}") from err
 

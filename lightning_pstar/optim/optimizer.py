@@ -157,6 +157,12 @@ class ChunkedOptimizer(Optimizer):
         if self._momentum:
             kinds = [ChunkKind.EXP_AVG]
         self._kept_zeros: set[int] = set()  # records whose p.grad zero_grad(set_to_none=False) kept as zeros
+        self._state_io._has_momentum = self._momentum
+        # loaded groups follow the optimizer class's own rules, as torch's load_state_dict applies them (its
+        # __setstate__: AdamW keeps decoupled weight decay whatever a loaded Adam group said)
+        self._state_io._normalise_groups = lambda: type(optimizer).__setstate__(
+            optimizer, {"param_groups": optimizer.param_groups}
+        )
         self._stepped_grads: set[int] = set()  # records with a gradient at the last step (torch's p.grad stays)
         manager.add_optimizer_chunks(kinds, self._families)
         redirect_user_optimizer(optimizer, self)

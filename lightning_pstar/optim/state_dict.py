@@ -101,6 +101,8 @@ class ChunkedStateDict:
         self._param_groups = param_groups  # the user's optimizer's list (shared, never replaced)
         self._kinds = [ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ] if book.is_adam else [ChunkKind.EXP_AVG]
         self._record_indices: set[int] | None = None  # records of this optimizer's parameters (see covers)
+        self._has_momentum = False  # SGD: momentum buffers were laid out (set by the optimizer)
+        self._normalise_groups: Callable[[], None] | None = None  # the optimizer class's rules on loaded groups
 
     def _ordered_params(self) -> list[tuple[int, Any]]:
         """(index in torch's layout, parameter) over every group, in order."""
@@ -270,6 +272,30 @@ class ChunkedStateDict:
     # ---- loading ------------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict in torch's layout: everything is validated before anything changes."""
+        groups, updates, host_updates = self.validated(state_dict)
+        # validated: now change state
+        for saved, mine in zip(groups, self._param_groups, strict=True):
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+        if self._normalise_groups is not None:
+            self._normalise_groups()  # the optimizer class's own rules (torch's AdamW keeps decoupled weight decay)
+        for p, entry in host_updates:
+            self._book.host_state[id(p)] = {
+                k: torch.as_tensor(v, dtype=torch.float32).to(p.device).clone() for k, v in entry.items()
+            }
+        updates.sort(key=lambda update: update[0].family.family_id)  # a disk family is read and written once
+        with torch.no_grad(), disk_one_at_a_time(self._manager.disk, write=True, kinds=self._kinds) as need:
+            for record, entry in updates:
+                if self._manager.owns(record.family):  # else its owner loads it
+                    need(record.family)
+                    self._load_record(record, entry)
+
+    def validated(
+        self, state_dict: Mapping[str, Any]
+    ) -> tuple[list[Any], list[tuple[ParamRecord, dict[str, Any]]], list[tuple[torch.Tensor, dict[str, Any]]]]:
+        """Check a state dict in torch's layout against this optimizer, changing nothing (a checkpoint's loader runs
+        it before the model's weights change); returns its groups and the entries to load (records, host params)."""
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or "state" not in state_dict:
             raise ValueError("optimizer state_dict must have 'state' and 'param_groups' (torch's layout)")
@@ -294,28 +320,25 @@ class ChunkedStateDict:
                 host_updates.append((p, entry))
                 continue
             record = self._manager.record_of(p)
+            needed = ("step", "exp_avg", "exp_avg_sq") if self._book.is_adam else ()
+            lacking = [name for name in needed if name not in entry]
+            if lacking:
+                raise ValueError(
+                    f"optimizer state of parameter '{record.slot.name}' lacks {lacking} (it has {sorted(entry)})."
+                    " HINT: the checkpoint is damaged or was edited; use another checkpoint."
+                )
             for name, value in entry.items():
+                if not isinstance(value, torch.Tensor) and name != "step":
+                    if name == "momentum_buffer" and value is None:
+                        continue
+                    raise ValueError(f"optimizer state '{name}' of parameter '{record.slot.name}' is not a tensor.")
                 if name != "step" and tuple(value.shape) != tuple(record.slot.shape):
                     raise ValueError(
                         f"optimizer state '{name}' of parameter '{record.slot.name}' has shape"
                         f" {tuple(value.shape)}, expected {tuple(record.slot.shape)}."
                     )
             updates.append((record, entry))
-        # validated: now change state
-        for saved, mine in zip(groups, self._param_groups, strict=True):
-            for k, v in saved.items():
-                if k != "params":
-                    mine[k] = v
-        for p, entry in host_updates:
-            self._book.host_state[id(p)] = {
-                k: torch.as_tensor(v, dtype=torch.float32).to(p.device).clone() for k, v in entry.items()
-            }
-        updates.sort(key=lambda update: update[0].family.family_id)  # a disk family is read and written once
-        with torch.no_grad(), disk_one_at_a_time(self._manager.disk, write=True, kinds=self._kinds) as need:
-            for record, entry in updates:
-                if self._manager.owns(record.family):  # else its owner loads it
-                    need(record.family)
-                    self._load_record(record, entry)
+        return groups, updates, host_updates
 
     def check_groups(self, groups: list[Any]) -> None:
         """Refuse saved param groups that are not this optimizer's (their number, and each one's size)."""
@@ -330,6 +353,19 @@ class ChunkedStateDict:
                 raise ValueError(
                     f"param group {gi}: the saved state has {len(saved['params'])} parameters, this optimizer"
                     f" has {len(mine['params'])}."
+                )
+            flags = [k for k in ("amsgrad", "capturable", "differentiable") if saved.get(k)]
+            if flags:  # refused at setup too: the fused chunk kernels cannot honour them
+                raise ValueError(
+                    f"param group {gi} of the saved state has {', '.join(f'{k}=True' for k in flags)}, which"
+                    " PatrickStar's fused chunk kernels do not support (torch would switch to it). HINT: resume with"
+                    " a plain optimizer (another checkpoint, or resume under another strategy)."
+                )
+            if not self._book.is_adam and saved.get("momentum", 0) != 0 and not self._has_momentum:
+                raise ValueError(
+                    f"param group {gi} of the saved state has momentum={saved['momentum']}, but this SGD was built"
+                    " with momentum=0 in every group, so no momentum buffers were laid out. HINT: build the SGD with"
+                    " the momentum the checkpoint was trained with."
                 )
 
     def _load_record(self, record: ParamRecord, entry: dict[str, Any]) -> None:

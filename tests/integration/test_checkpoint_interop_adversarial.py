@@ -498,22 +498,8 @@ BAD_FABRIC = [
     "extra_key",
     "wrong_shape",
     "wrong_optimizer",
-    pytest.param(
-        "optimizer_field_missing",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="an optimizer entry lacking exp_avg_sq is found only after the model weights were overwritten"
-            " (and the error is a bare KeyError text: \"'exp_avg_sq'\")",
-        ),
-    ),
-    pytest.param(
-        "optimizer_state_shape",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="an optimizer state tensor of the wrong shape is refused only after the model weights were"
-            " overwritten",
-        ),
-    ),
+    pytest.param("optimizer_field_missing"),
+    pytest.param("optimizer_state_shape"),
     "optimizer_fewer_params",
 ]
 
@@ -571,14 +557,8 @@ _LATE = "is refused only after the weights were overwritten"
 BAD_TRAINER = [
     "missing_path",
     "wrong_optimizer",
-    pytest.param(
-        "optimizer_field_missing",
-        marks=pytest.mark.xfail(strict=True, reason=f"a missing field {_LATE}, as a bare KeyError: 'exp_avg_sq'"),
-    ),
-    pytest.param(
-        "optimizer_state_shape",
-        marks=pytest.mark.xfail(strict=True, reason=f"a wrong shape {_LATE}, as a ValueError naming no file"),
-    ),
+    pytest.param("optimizer_field_missing"),
+    pytest.param("optimizer_state_shape"),
     pytest.param(
         "no_optimizer_states",
         marks=pytest.mark.xfail(
@@ -1496,11 +1476,6 @@ def test_optimizer_hyperparameters_come_from_the_file(pstar_straight: Any, tmp_p
     _assert_exact_tail(got, ref, 0, "hyperparameters from the file")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a checkpoint with amsgrad=True and max_exp_avg_sq resumes silently: param_groups then say amsgrad=True,"
-    " max_exp_avg_sq is dropped and the step is plain AdamW (amsgrad is refused at setup, not from a file)",
-)
 def test_amsgrad_state_in_the_file_is_refused_before_any_change(pstar_straight: Any, tmp_path: Path) -> None:
     """A file of AdamW with ``amsgrad=True`` (which the engine refuses at setup) resumed into an AdamW without it:
     torch would switch to amsgrad; the engine must refuse naming amsgrad before the weights change, not drop it."""
@@ -1520,16 +1495,7 @@ def test_amsgrad_state_in_the_file_is_refused_before_any_change(pstar_straight: 
 @pytest.mark.parametrize(
     ("saved_momentum", "resumed_momentum"),
     [
-        pytest.param(
-            0.9,
-            0.0,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="an SGD file with momentum_buffer resumed by an SGD configured without momentum: bare"
-                " KeyError <ChunkKind.EXP_AVG: 'exp_avg'> (optim/state_dict.py _load_record) after the weights"
-                " loaded; plain Lightning continues with the file's momentum",
-            ),
-        ),
+        pytest.param(0.9, 0.0),
         (0.0, 0.9),
     ],
 )
@@ -1558,15 +1524,7 @@ def test_sgd_momentum_from_the_file(saved_momentum: float, resumed_momentum: flo
     "case",
     [
         "sgd_nesterov",
-        pytest.param(
-            "adam_file_into_adamw",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="an Adam (L2 weight decay) file resumed by AdamW: neither refused as another class nor"
-                " stepped as AdamW (plain); the engine steps coupled Adam while param_groups say"
-                " decoupled_weight_decay=True",
-            ),
-        ),
+        pytest.param("adam_file_into_adamw"),
         "adamw_file_into_adam",
     ],
 )
