@@ -111,6 +111,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         self._manager: ChunkManager | None = None
         self._hooks: ModelHooks | None = None
         self._final_report: MemoryReport | None = None
+        self._weights_dropped = False  # the last run ended with hand_back_weights=False (its weights are gone)
         self._failed = False  # an exception ended the run: teardown must not start collectives
         super().__init__(
             accelerator=accelerator,
@@ -369,6 +370,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._manager is None:
+            self._refuse_dropped_weights()
             return super().lightning_module_state_dict()
         if self._sharded:
             # the weights go to the sharded store; the checkpoint dict keeps the buffers
@@ -379,10 +381,22 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         inner = chunked_of(optimizer)
         if inner is None:
+            if self._manager is None:
+                self._refuse_dropped_weights()
             return super().optimizer_state(optimizer)
         if self._sharded:
             return {"state": {}, "param_groups": inner.state_dict(rank0_only=True)["param_groups"]}
         return inner.state_dict(rank0_only=True)
+
+    def _refuse_dropped_weights(self) -> None:
+        """A checkpoint asked for after a run that did not hand its weights back: they are gone, say so."""
+        if self._weights_dropped:
+            raise RuntimeError(
+                "PatrickStar: the run ended with hand_back_weights=False, so its weights and optimizer states were"
+                " freed with the chunks and the model holds empty tensors: a checkpoint now would be empty. HINT:"
+                " save during fit (ModelCheckpoint, or trainer.save_checkpoint in a hook before on_fit_end), or set"
+                " hand_back_weights=True."
+            )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -470,6 +484,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         self._hooks = None
         if manager is not None:
             end = hand_back(manager, hooks, self.optimizers, failed=self._failed)
+            self._weights_dropped = not manager.config.hand_back_weights
             self._manager = None
             self._final_report, self._final_reports, self.optimizers = end.report, end.reports, end.optimizers
         elif hooks is not None:

@@ -724,14 +724,7 @@ def test_checkpoint_hooks_round_trip_like_plain_lightning(change: str, fmt: str,
     "hand_back",
     [
         True,
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="hand_back_weights=False: trainer.save_checkpoint after fit silently writes 0-element"
-                " weights and an empty optimizer state instead of refusing",
-            ),
-        ),
+        pytest.param(False),
     ],
 )
 def test_save_checkpoint_after_fit_returned(hand_back: bool, tmp_path: Path) -> None:
@@ -1667,15 +1660,7 @@ class _SaveAtTheEnd(L.Callback):
         ("on_train_end", True),
         ("on_train_end", False),
         ("on_fit_end", True),
-        pytest.param(
-            "on_fit_end",
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="hand_back_weights=False: a save from on_fit_end (after teardown) silently writes 0-element"
-                " weights and no optimizer state",
-            ),
-        ),
+        pytest.param("on_fit_end", False),
     ],
 )
 def test_save_checkpoint_at_the_end_of_fit(hook: str, hand_back: bool, tmp_path: Path) -> None:
