@@ -161,13 +161,23 @@ class ChunkPrecision(FabricPrecision):
     # ---- checkpoint ---------------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "good_steps": self._good_steps,
+            "skipped_steps": self.skipped_steps,
+            "loss_scaling": self.uses_loss_scaling,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The loss scale of a run with loss scaling (16-mixed) resumes only in such a run, as plain Lightning's
+        GradScaler state does: a bf16/32-true file leaves a 16-mixed run at its initial scale, and a 16-mixed
+        file's scale does not reach a run without loss scaling (files from before this key: taken as they are)."""
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        if state_dict.get("loss_scaling", self.uses_loss_scaling) != self.uses_loss_scaling:
+            return
         self.scale = float(state_dict["scale"])
         self._good_steps = int(state_dict["good_steps"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
 
 class PatrickStarPrecision(ChunkPrecision, Precision):

@@ -1241,24 +1241,8 @@ def _precision_options(precision: str) -> dict[str, Any]:
     ("saved_in", "resumed_in"),
     [
         ("bf16-mixed", "bf16-mixed"),  # the control: a bf16 file's own state is the default one
-        pytest.param(
-            "16-mixed",
-            "bf16-mixed",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a 16-mixed checkpoint resumed in bf16-mixed loads the fp16 loss scale (65536) into the bf16"
-                " run, whose losses then differ (~7e-4 from the 2nd batch) from the same file without that state",
-            ),
-        ),
-        pytest.param(
-            "bf16-mixed",
-            "16-mixed",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a bf16-mixed checkpoint resumed in 16-mixed loads the bf16 run's loss scale 1.0 instead of"
-                " starting at initial_scale (65536) as plain Lightning's GradScaler does; the losses differ",
-            ),
-        ),
+        pytest.param("16-mixed", "bf16-mixed"),
+        pytest.param("bf16-mixed", "16-mixed"),
     ],
 )
 def test_loss_scale_state_of_another_precision_is_not_taken(saved_in: str, resumed_in: str, tmp_path: Path) -> None:

@@ -208,14 +208,20 @@ def test_state_dict_round_trip() -> None:
     for grad in (0.01, float("inf"), 0.01, 0.01):
         _step(plugin, manager, opt, grad=grad)
     state = plugin.state_dict()
-    assert state == {"scale": 32.0, "good_steps": 2, "skipped_steps": 1}
+    assert state == {"scale": 32.0, "good_steps": 2, "skipped_steps": 1, "loss_scaling": True}
     fresh = PatrickStarPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale=64.0, growth_interval=10))
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
     assert fresh.scale == 32.0
     old = PatrickStarPrecision("16-mixed")
     old.load_state_dict({"scale": 8, "good_steps": 1})  # written before skipped_steps existed
-    assert old.state_dict() == {"scale": 8.0, "good_steps": 1, "skipped_steps": 0}
+    assert old.state_dict() == {"scale": 8.0, "good_steps": 1, "skipped_steps": 0, "loss_scaling": True}
+    bf16 = PatrickStarPrecision("bf16-mixed")
+    bf16.load_state_dict(state)  # a 16-mixed file: its loss scale does not reach a run without loss scaling
+    assert bf16.scale == 1.0 and bf16.skipped_steps == 1
+    fresh = PatrickStarPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale=64.0))
+    fresh.load_state_dict(bf16.state_dict())  # a bf16 file: the 16-mixed run starts at its initial scale
+    assert fresh.scale == 64.0
 
 
 # ---- clipping ---------------------------------------------------------------------------------------------
