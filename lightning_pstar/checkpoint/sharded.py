@@ -76,7 +76,11 @@ def sharded_meta(checkpoint: Mapping[str, Any], info: dict[str, Any]) -> dict[st
     info["param_groups"] = [state["param_groups"] for state in checkpoint.get("optimizer_states", [])]
     meta[INFO_KEY] = info
     meta[SHARDED_KEY] = True
-    meta["optimizer_states"] = []
+    if "optimizer_states" in checkpoint:  # a weights-only save has none, which is how Lightning recognises one
+        meta["optimizer_states"] = []
+        info["weights_only"] = False
+    else:
+        info["weights_only"] = True
     return meta
 
 
@@ -330,9 +334,10 @@ def consolidate(directory: str | os.PathLike[str], output: str | os.PathLike[str
             dtype = getattr(torch, info["dtypes"].get(key, "float32"))
             state_dict[key] = tensors[f"model/{info['canonical'].get(key, key)}"].to(dtype)
     meta["state_dict"] = state_dict
-    meta["optimizer_states"] = [
-        _optimizer_state(tensors, f"optim/{k}/", groups) for k, groups in enumerate(info["param_groups"])
-    ]
+    if not info.get("weights_only", False):  # plain Lightning's weights-only file has no optimizer_states
+        meta["optimizer_states"] = [
+            _optimizer_state(tensors, f"optim/{k}/", groups) for k, groups in enumerate(info["param_groups"])
+        ]
     atomic_torch_save(meta, Path(output))
 
 

@@ -1322,11 +1322,6 @@ def weights_only_dirs(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fit(ckpt_path=<sharded save_weights_only dir>) fails with a bare IndexError ('list index out of range',"
-    " checkpointing.load_sharded_optimizer_states) instead of plain Lightning's 'contains only the model' KeyError",
-)
 def test_full_resume_from_a_sharded_weights_only_checkpoint_is_refused_like_plain(weights_only_dirs: Path) -> None:
     recorder = LossRecorder()
     trainer = make_trainer(strategy=PatrickStarStrategy(checkpoint="sharded"), callbacks=[recorder], max_epochs=2)
@@ -1339,11 +1334,6 @@ def test_full_resume_from_a_sharded_weights_only_checkpoint_is_refused_like_plai
     assert recorder.losses == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="consolidating a sharded save_weights_only directory writes optimizer_states=[] (plain Lightning's"
-    " weights-only file has no such key, which is how Lightning recognises one)",
-)
 def test_consolidated_sharded_weights_only_checkpoint_is_plain_lightnings(weights_only_dirs: Path) -> None:
     from lightning_pstar.checkpoint import consolidate
 
