@@ -38,11 +38,13 @@ from lightning_pstar.checkpoint import (
     stored_keys,
     write_sharded,
 )
+from lightning_pstar.checkpoint.placeholders import is_placeholder, store_key_of, with_placeholders
 from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.optim.state_dict import check_optimizer_class
 from lightning_pstar.runtime.manager import ChunkManager
 
 __all__ = [
+    "sharded_entries_with_placeholders",
     "SafeCheckpointIO",
     "check_optimizer_groups",
     "check_optimizer_states",
@@ -107,7 +109,15 @@ def write_sharded_checkpoint(
         chunked = chunked_of(opt)
         if chunked is not None:
             tensors.update(chunked.owned_state_tensors(f"optim/{k}/"))
-    meta = sharded_meta(checkpoint, sharded_info(manager))
+    info = sharded_info(manager)
+    entries = checkpoint.get("state_dict", {})
+    if any(is_placeholder(v) for v in entries.values()):  # the weight names as the hooks left them ([Note: weights
+        # in a sharded checkpoint dict] in checkpoint/placeholders.py); the stand-ins reach no file
+        info["state_dict_keys"] = list(entries)
+        info["canonical"] = {k: store_key_of(v)[len("model/") :] for k, v in entries.items() if is_placeholder(v)}
+        info["dtypes"] = {k: str(v.dtype).replace("torch.", "") for k, v in entries.items() if is_placeholder(v)}
+        checkpoint = {**checkpoint, "state_dict": {k: v for k, v in entries.items() if not is_placeholder(v)}}
+    meta = sharded_meta(checkpoint, info)
     write_sharded(path, meta=meta, tensors=tensors, rank=rank, barrier=barrier)
 
 
@@ -199,6 +209,7 @@ def load_model_state(
                 stored_keys(path),
                 lambda wanted: read_sharded_tensors(path, wanted),
                 checkpoint.get("state_dict", {}),
+                strict=strict,
                 checked=checked,
             )
             return
@@ -219,3 +230,19 @@ def load_sharded_optimizer_states(optimizers: Sequence[Any], checkpoint: Mapping
             chunked.load_owned_state(
                 stored, f"optim/{k}/", lambda wanted: read_sharded_tensors(path, wanted), groups[k]
             )
+
+
+def sharded_entries_with_placeholders(checkpoint: dict[str, Any], manager: ChunkManager | None = None) -> None:
+    """Give a sharded checkpoint dict a stand-in per weight in ``state_dict`` (its metadata's names, or, on save with
+    ``manager``, the model's), for the Trainer's hooks to edit ([Note: weights in a sharded checkpoint dict])."""
+    entries = checkpoint.get("state_dict", {})
+    if manager is not None:
+        info = sharded_info(manager)
+        shapes: dict[str, Any] = {f"model/{r.names[0]}": r.slot.shape for r in manager.records}
+        shapes.update({f"model/{n}": p.shape for n, p in manager.host_params.items()})
+    else:
+        info = checkpoint[INFO_KEY]
+        shapes = stored_keys(Path(checkpoint[SHARDED_KEY]))
+    checkpoint["state_dict"] = with_placeholders(
+        entries, info["state_dict_keys"], info["canonical"], shapes, info["dtypes"]
+    )

@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import Unpack, override
 
-from lightning_pstar.checkpoint import SHARDED_KEY, full_state_dict
+from lightning_pstar.checkpoint import INFO_KEY, SHARDED_KEY, full_state_dict
 from lightning_pstar.checkpointing import (
     SafeCheckpointIO,
     check_optimizer_groups,
@@ -36,6 +36,7 @@ from lightning_pstar.checkpointing import (
     load_sharded_optimizer_states,
     open_checkpoint,
     refuse_bare_state_dict,
+    sharded_entries_with_placeholders,
     write_sharded_checkpoint,
 )
 from lightning_pstar.config import PStarConfig, PStarOptions
@@ -373,8 +374,11 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             self._refuse_dropped_weights()
             return super().lightning_module_state_dict()
         if self._sharded:
-            # the weights go to the sharded store; the checkpoint dict keeps the buffers
-            return {k: v.detach().cpu() for k, v in self._manager.module.named_buffers()}
+            # the weights go to the sharded store; the checkpoint dict keeps the buffers, and a stand-in per weight
+            # for the hooks to edit ([Note: weights in a sharded checkpoint dict] in checkpoint/placeholders.py)
+            holder = {"state_dict": {k: v.detach().cpu() for k, v in self._manager.module.named_buffers()}}
+            sharded_entries_with_placeholders(holder, self._manager)
+            return holder["state_dict"]
         return full_state_dict(self._manager, rank0_only=True)
 
     @override
@@ -419,6 +423,8 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             weights_only=weights_only,
         )
         refuse_bare_state_dict(checkpoint, path)
+        if checkpoint.get(SHARDED_KEY) and isinstance(checkpoint.get(INFO_KEY), dict):
+            sharded_entries_with_placeholders(checkpoint)  # for on_load_checkpoint to edit, as a plain file's
         return checkpoint
 
     def _check_optimizer_states(self, checkpoint: Mapping[str, Any], *, groups: bool = False) -> None:

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_pstar.checkpoint.placeholders import is_placeholder, store_key_of
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.disk_tier import disk_loaded
+from lightning_pstar.runtime.family import ParamRecord
 from lightning_pstar.runtime.new_storage import adopt_new_storage
 from lightning_pstar.runtime.outside_writes import check_outside_writes
 from lightning_pstar.runtime.pinned import host_arena
@@ -245,51 +247,86 @@ def load_owned_tensors(
     manager: ChunkManager,
     stored: Mapping[str, torch.Size],
     read: ReadTensors,
-    buffers: Mapping[str, Any],
+    entries: Mapping[str, Any],
     *,
+    strict: bool = True,
     checked: Callable[[], None] = lambda: None,
 ) -> None:
     """Load a sharded checkpoint's weights: check names and shapes first (then ``checked``, as in
-    :func:`load_full_state_dict`), then read what this rank owns."""
-    expected = {f"model/{r.names[0]}": r for r in manager.records}
-    host = {f"model/{name}": param for name, param in manager.host_params.items()}  # cpu_embedding
-    stored_model = {k for k in stored if k.startswith("model/")}
-    missing = sorted(k[len("model/") :] for k in (set(expected) | set(host)) - stored_model)
-    unexpected = sorted(k[len("model/") :] for k in stored_model - set(expected) - set(host))
-    if missing or unexpected:
-        raise KeyError(
-            f"the sharded checkpoint does not match the model: missing keys {missing}, unexpected keys"
-            f" {unexpected}. HINT: use a checkpoint of this model."
-        )
-    for key, record in expected.items():
-        if tuple(stored[key]) != tuple(record.slot.shape):
+    :func:`load_full_state_dict`), then read what this rank owns. ``entries``: the checkpoint dict's
+    ``state_dict`` (its buffers; with stand-ins for the weights where the Trainer's hooks could edit it, [Note:
+    weights in a sharded checkpoint dict] in placeholders.py: then it says where each weight comes from)."""
+    targets: dict[str, ParamRecord | torch.Tensor] = {f"model/{r.names[0]}": r for r in manager.records}
+    names = {f"model/{r.names[0]}": r.names for r in manager.records}
+    for name, param in manager.host_params.items():  # cpu_embedding
+        targets[f"model/{name}"], names[f"model/{name}"] = param, [name]
+    sources = _sources(stored, entries, names, strict=strict)
+    for key, source in sources.items():
+        shape = tuple(stored[source]) if isinstance(source, str) else tuple(source.shape)
+        target = targets[key]
+        want = tuple(target.slot.shape) if isinstance(target, ParamRecord) else tuple(target.shape)
+        if shape != want:
             raise ValueError(
-                f"the sharded checkpoint stores '{key[len('model/') :]}' with shape {tuple(stored[key])}, the"
-                f" model has {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model."
-            )
-    for key, param in host.items():
-        if tuple(stored[key]) != tuple(param.shape):
-            raise ValueError(
-                f"the sharded checkpoint stores '{key[len('model/') :]}' with shape {tuple(stored[key])}, the"
-                f" model has {tuple(param.shape)}. HINT: the checkpoint belongs to another model."
+                f"the sharded checkpoint stores '{key[len('model/') :]}' with shape {shape}, the model has {want}."
+                " HINT: the checkpoint belongs to another model."
             )
     checked()
-    wanted = {k: stored[k] for k, r in expected.items() if manager.owns(r.family)}
-    values = read({**wanted, **{k: stored[k] for k in host}})  # every rank holds the host embeddings
+    owned = {
+        k: s for k, s in sources.items()
+        if not isinstance(targets[k], ParamRecord) or manager.owns(targets[k].family)  # type: ignore[union-attr]
+    }  # fmt: skip
+    from_store = read({s: stored[s] for s in owned.values() if isinstance(s, str)})
     with torch.no_grad():
-        for key, value in values.items():
-            if key in host:
-                host[key].copy_(value)
+        for key, source in owned.items():
+            value = from_store[source] if isinstance(source, str) else source.detach().to("cpu", torch.float32)
+            target = targets[key]
+            if not isinstance(target, ParamRecord):
+                target.copy_(value)  # every rank holds the host embeddings
                 continue
-            record = expected[key]
-            manager.fill_slot(record, value)
-            manager.slot_holds_weight(record)  # the slot holds the loaded weight
+            manager.fill_slot(target, value)
+            manager.slot_holds_weight(target)  # the slot holds the loaded weight
         if manager.disk is not None:  # the last family's master written back to the disk tier
             manager.disk.flush_setup()
         named = dict(manager.module.named_buffers())
-        for key, value in buffers.items():
-            if key in named:
+        for key, value in entries.items():
+            if key in named and not is_placeholder(value):
                 named[key].copy_(value)
+
+
+def _sources(
+    stored: Mapping[str, torch.Size], entries: Mapping[str, Any], names: Mapping[str, list[str]], *, strict: bool
+) -> dict[str, str | torch.Tensor]:
+    """Where each weight (``model/<canonical name>`` -> its names) comes from: a store key, or a tensor a hook put
+    in ``entries``. Without stand-ins in ``entries`` (Fabric, or no hook could edit it) every weight comes from the
+    store under its own key. Missing or unexpected weights raise where ``strict`` (missing ones are left as the
+    module has them otherwise)."""
+    sources: dict[str, str | torch.Tensor] = {}
+    if not any(is_placeholder(v) for v in entries.values()):
+        stored_model = {k for k in stored if k.startswith("model/")}
+        missing = sorted(k[len("model/") :] for k in set(names) - stored_model)
+        unexpected = sorted(k[len("model/") :] for k in stored_model - set(names))
+        if missing or unexpected:
+            raise KeyError(
+                f"the sharded checkpoint does not match the model: missing keys {missing}, unexpected keys"
+                f" {unexpected}. HINT: use a checkpoint of this model."
+            )
+        return {k: k for k in names}
+    missing, known = [], {n for aliases in names.values() for n in aliases}
+    for key, aliases in names.items():
+        found = [entries[n] for n in aliases if n in entries]
+        if not found:
+            missing.append(aliases[0])
+            continue
+        value = next((v for v in found if not is_placeholder(v)), found[0])  # a hook's own tensor first
+        sources[key] = store_key_of(value) if is_placeholder(value) else value
+    unexpected = sorted(k for k, v in entries.items() if is_placeholder(v) and k not in known)
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"the checkpoint's state_dict does not match the model: missing keys {sorted(missing)}, unexpected keys"
+            f" {unexpected}. HINT: use a checkpoint of this model, or strict=False (`strict_loading = False` on the"
+            " LightningModule) to keep the module's own weights where the file has none."
+        )
+    return sources
 
 
 # ---- teardown -----------------------------------------------------------------------------------------------

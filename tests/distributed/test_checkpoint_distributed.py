@@ -158,7 +158,9 @@ class LM(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("optimizer_states") or [{"state": {}}]
-        self.saved.append({"state_dict": len(checkpoint["state_dict"]), "optimizer": len(states[0]["state"])})
+        # tensors with bytes: a sharded checkpoint dict holds stand-ins (meta tensors) for the weights only
+        held = [v for v in checkpoint["state_dict"].values() if not v.is_meta]
+        self.saved.append({"state_dict": len(held), "optimizer": len(states[0]["state"])})
 
 
 class Recorder(L.Callback):

@@ -190,8 +190,8 @@ class LossRecorder(L.Callback):
 
     @staticmethod
     def _state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-        state = trainer.strategy.lightning_module_state_dict()
-        return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+        state = trainer.strategy.lightning_module_state_dict()  # sharded: buffers and the weights' stand-ins
+        return {k: v.detach().float().cpu().clone() for k, v in state.items() if not v.is_meta}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_step = trainer.global_step

@@ -686,15 +686,7 @@ class _EveryBatch(L.Callback):
         ("rename", "consolidated"),
         ("rename", "sharded"),
         ("edit", "consolidated"),
-        pytest.param(
-            "edit",
-            "sharded",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="checkpoint='sharded': a weight that on_load_checkpoint writes into checkpoint['state_dict']"
-                " is silently ignored (the store's weight is loaded; no error)",
-            ),
-        ),
+        pytest.param("edit", "sharded"),
     ],
 )
 def test_checkpoint_hooks_round_trip_like_plain_lightning(change: str, fmt: str, tmp_path: Path) -> None:
@@ -934,14 +926,7 @@ class PeftLM(TinyLM):
     "fmt",
     [
         "consolidated",
-        pytest.param(
-            "sharded",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="checkpoint='sharded': weights on_save_checkpoint deletes from checkpoint['state_dict'] are"
-                " still written to the store and loaded on resume (plain Lightning keeps the module's own)",
-            ),
-        ),
+        pytest.param("sharded"),
     ],
 )
 def test_trainable_only_checkpoint_with_strict_loading_false(fmt: str, tmp_path: Path) -> None:
