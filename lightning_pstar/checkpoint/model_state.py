@@ -165,16 +165,17 @@ def load_full_state_dict(
     param_names = {n for r in manager.records for n in r.names}
     values: list[tuple[ParamRecord, torch.Tensor]] = []
     for record in manager.records:
-        key = next((n for n in record.names if n in state_dict), None)
-        if key is None:
+        keys = [n for n in record.names if n in state_dict]  # a tied weight's names, in the module's order
+        if not keys:
             continue
-        value = state_dict[key]
-        if tuple(value.shape) != tuple(record.slot.shape):
-            raise ValueError(
-                f"state_dict['{key}'] has shape {tuple(value.shape)}, the model's parameter has"
-                f" {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model configuration."
-            )
-        values.append((record, value))
+        for key in keys:
+            if tuple(state_dict[key].shape) != tuple(record.slot.shape):
+                raise ValueError(
+                    f"state_dict['{key}'] has shape {tuple(state_dict[key].shape)}, the model's parameter has"
+                    f" {tuple(record.slot.shape)}. HINT: the checkpoint belongs to another model configuration."
+                )
+        # torch's load_state_dict copies each name into the one parameter in module order: the last one stays
+        values.append((record, state_dict[keys[-1]]))
     # buffers and host-resident parameters (cpu_embedding) are loaded as they are
     buffers: dict[str, torch.Tensor] = {**dict(manager.module.named_buffers()), **manager.host_params}
     for key, value in state_dict.items():
@@ -317,7 +318,7 @@ def _sources(
         if not found:
             missing.append(aliases[0])
             continue
-        value = next((v for v in found if not is_placeholder(v)), found[0])  # a hook's own tensor first
+        value = next((v for v in reversed(found) if not is_placeholder(v)), found[-1])  # a hook's tensor first
         sources[key] = store_key_of(value) if is_placeholder(value) else value
     unexpected = sorted(k for k, v in entries.items() if is_placeholder(v) and k not in known)
     if strict and (missing or unexpected):

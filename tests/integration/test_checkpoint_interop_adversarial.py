@@ -947,11 +947,6 @@ def test_trainable_only_checkpoint_with_strict_loading_false(fmt: str, tmp_path:
     _assert_exact_tail(got, ref, 0, f"trainable-only file ({fmt})")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a tied weight saved with two different values: the engine loads the first name's (wte), torch's"
-    " load_state_dict ends with the last module's (lm_head); no error",
-)
 def test_tied_weight_saved_with_two_values_loads_as_plain(pstar_straight: Any, tmp_path: Path) -> None:
     """A file in which the two names of the tied weight hold different values (edited by hand, or saved from an
     untied model): plain ``load_state_dict`` copies both into the one parameter, the later module's last; a
