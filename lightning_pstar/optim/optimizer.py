@@ -352,6 +352,7 @@ class ChunkedOptimizer(Optimizer):
     def step_in_backward(self) -> bool:
         """Arm the coming backward to start host-side family steps ([Note: stepping inside the backward] in
         ``optim/overlap.py``); returns whether it is armed."""
+        self._layout.check()  # before any family steps: a change of groups is refused with nothing stepped
         return self.overlap.arm_in_backward()
 
     def norms_in_backward(self) -> bool:
