@@ -77,6 +77,12 @@ __all__ = ["ModelHooks", "holds_compiled_code"]
 
 _profiling = torch._C._autograd._profiler_enabled
 _graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outside one)
+def _fn(method: Any) -> Any:
+    """A bound method as a plain function for a module hook: ``copy.deepcopy`` of the module copies a hook that is
+    a bound method together with its object (this engine, thread-locals included: it fails), a function as it is."""
+    return lambda *args, **kwargs: method(*args, **kwargs)
+
+
 # normalisations whose CPU kernels refuse an fp32 input next to compute-dtype parameters (``ModelHooks``)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
 
@@ -213,9 +219,9 @@ class ModelHooks:
         if self.manager.mixed:
             for module in self.manager.table.module_records:
                 if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
-                    add(module, self._batchnorm_params_in_fp32, self._batchnorm_params_back)
+                    add(module, _fn(self._batchnorm_params_in_fp32), _fn(self._batchnorm_params_back))
                 elif isinstance(module, _NORMS):
-                    add(module, self._norm_params_in_fp32_for_fp32_input, self._batchnorm_params_back)
+                    add(module, _fn(self._norm_params_in_fp32_for_fp32_input), _fn(self._batchnorm_params_back))
         if self.manager.mixed:
             for module in self.manager.table.module_records:
                 if isinstance(module, nn.EmbeddingBag):
@@ -224,7 +230,7 @@ class ModelHooks:
         host = {id(p) for p in self.manager.host_params.values()}
         for module in self.manager.module.modules():
             if isinstance(module, nn.Embedding) and id(module.weight) in host:
-                add(module, self._host_lookup_input, self._host_lookup_output)
+                add(module, self._host_lookup_input, _fn(self._host_lookup_output))
         # a parameter assigned after setup is refused where it is assigned: [Note: parameters fixed at setup]
         self._guard = ParameterGuard(self.manager.module, self._is_managed)
         self._handles.extend(self._guard.install())
