@@ -34,6 +34,7 @@ from lightning_pstar.setup_checks import (
     parameter_free_metrics,
     refuse_fp32_parametrizations,
     refuse_shared_parameters,
+    refuse_shared_storage,
     refuse_sparse_gradients,
     refuse_unsupported_dtypes,
 )
@@ -146,6 +147,7 @@ def build_engine(
     refuse_unsupported_dtypes(module, precision.compute_dtype)
     refuse_fp32_parametrizations(module, precision.compute_dtype)
     refuse_sparse_gradients(module)
+    refuse_shared_storage(module)
     manager = ChunkManager(
         module,
         config=config,

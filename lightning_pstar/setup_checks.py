@@ -18,6 +18,7 @@ __all__ = [
     "parameter_free_metrics",
     "refuse_no_trainable_parameters",
     "refuse_shared_parameters",
+    "refuse_shared_storage",
     "refuse_sparse_gradients",
     "refuse_unsupported_dtypes",
 ]
@@ -83,6 +84,49 @@ def refuse_sparse_gradients(module: nn.Module) -> None:
                 " PatrickStar's dense chunks. HINT: build it with sparse=False (the optimizer then steps the dense"
                 " gradient, as torch's fused Adam/AdamW/SGD require anyway)."
             )
+
+
+def refuse_shared_storage(module: nn.Module) -> None:
+    """A parameter whose memory overlaps another parameter's (``nn.Parameter(a.weight.data[0])``) or a buffer's
+    (``register_buffer("row", a.weight.detach()[0])``) is one tensor in plain PyTorch: the optimizer's update of
+    one is seen through the other. Each parameter gets its own chunk slot here, so the alias would silently go on
+    reading the weights before setup: refused at setup, naming both (tied weights, one Parameter under two names, are
+    not this; parameters cut from one flat buffer without overlapping are not either)."""
+    spans = [(*_span(p), name, "parameter") for name, p in module.named_parameters()]
+    spans += [(*_span(b), name, "buffer") for name, b in module.named_buffers()]
+    spans = sorted(s for s in spans if s[1] > s[0])
+    last_param: tuple[int, str] = (0, "")  # the parameter reaching furthest so far: its end, its name
+    last_buffer: tuple[int, str] = (0, "")
+    for start, end, name, kind in spans:
+        if kind == "parameter" and last_param[0] > start:
+            raise ValueError(
+                f"Parameters '{last_param[1]}' and '{name}' share memory (one is a view of the other, e.g."
+                " `nn.Parameter(a.weight.data[0])`): PatrickStar gives each parameter its own chunk slot, so the"
+                " view would stop following the other's updates. HINT: tie them as one Parameter (`b.weight ="
+                " a.weight`), or compute the view in forward (`a.weight[0]`)."
+            )
+        other = last_buffer if kind == "parameter" else last_param
+        if other[0] > start:
+            buffer, param = (other[1], name) if kind == "parameter" else (name, other[1])
+            raise ValueError(
+                f"Buffer '{buffer}' shares memory with parameter '{param}' (it is a view of the weight): PatrickStar"
+                " moves parameters into chunks at setup, so the buffer would go on reading the weight as it was"
+                " before training. HINT: compute it from the parameter in forward, or register a copy (`.clone()`)"
+                " if it should not follow training."
+            )
+        if kind == "parameter":
+            last_param = max(last_param, (end, name))
+        else:
+            last_buffer = max(last_buffer, (end, name))
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The byte addresses ``tensor``'s elements reach, [start, end); empty where it has none (meta, no elements)."""
+    if tensor.is_meta or tensor.numel() == 0:
+        return 0, 0
+    start = tensor.data_ptr()
+    reach = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (reach + 1) * tensor.element_size()
 
 
 _FP32_ONLY = {

@@ -39,6 +39,7 @@ from lightning_pstar.optim.user_optimizer import GroupLayout, redirect_user_opti
 from lightning_pstar.runtime.chunk import ChunkKind
 from lightning_pstar.runtime.disk_tier import DiskTier
 from lightning_pstar.runtime.family import ChunkFamily, ParamRecord
+from lightning_pstar.runtime.grad_guard import GradientsInChunksError
 from lightning_pstar.runtime.manager import ChunkManager
 from lightning_pstar.runtime.new_storage import adopt_new_storage
 from lightning_pstar.runtime.pipeline import HostJob
@@ -189,6 +190,17 @@ class ChunkedOptimizer(Optimizer):
         self._refuse_changes_since_setup()
         # p.grad stand-ins ([Note: gradients user code cannot see]); gradients user code set to None are not stepped
         self._manager.remove_grad_guard(self._records)
+        assigned = [r.names[0] for r in self._records if r.param.grad is not None]  # no guard was in place
+        if assigned:
+            for record in self._records:
+                record.param.grad = None
+            raise GradientsInChunksError(
+                f"PatrickStar keeps gradients in its chunks, not in `p.grad`: `p.grad` of {assigned[:3]} was assigned"
+                " (no backward ran since the last step, e.g. gradients from torch.autograd.grad), and the step would"
+                " not read it. Nothing was stepped. HINT: compute gradients with `loss.backward()` (Lightning:"
+                " `self.manual_backward(loss)`, Fabric: `fabric.backward(loss)`); for a gradient built by hand, add it"
+                " to the loss instead (e.g. `(p * g).sum()`)."
+            )
         try:
             self._step()
         finally:

@@ -126,7 +126,11 @@ def plan_layout(
         raise ValueError(f"world_size must be positive, got {world_size}")
     for spec in params:
         if spec.numel <= 0:
-            raise ValueError(f"parameter '{spec.name}' has no elements; empty parameters cannot be chunked")
+            raise ValueError(
+                f"parameter '{spec.name}' has no elements; empty parameters cannot be chunked. HINT: leave it out of"
+                " the model (a zero-size layer computes nothing: e.g. skip a rank-0 adapter), or make it a buffer"
+                " (`register_buffer`) if it only carries a shape."
+            )
     if world_size == 1:
         return _layout_of(params, _pack_chunks(params, chunk_size), chunk_size)
     return _layout_of(params, _pack_groups(params, chunk_size, world_size, fit_groups), chunk_size)

@@ -77,6 +77,8 @@ __all__ = ["ModelHooks", "holds_compiled_code"]
 
 _profiling = torch._C._autograd._profiler_enabled
 _graph_task = torch._C._current_graph_task_id  # each backward's own id (-1 outside one)
+
+
 def _fn(method: Any) -> Any:
     """A bound method as a plain function for a module hook: ``copy.deepcopy`` of the module copies a hook that is
     a bound method together with its object (this engine, thread-locals included: it fails), a function as it is."""
@@ -208,6 +210,7 @@ class ModelHooks:
         self._aliases: dict[int, ChunkFamily] | None = None  # param chunks' device storages (built at the first pack)
         self._leaf_handles: list[Any] = []  # hooks on leaf inputs of modules (removed at the next training forward)
         self._guard: ParameterGuard | None = None
+        self._grad_hooks: list[tuple[ParamRecord, int]] = []  # the engine's post-accumulate-grad hook per parameter
 
     def install(self) -> None:
         add = self._add_module_hooks
@@ -215,7 +218,10 @@ class ModelHooks:
             add(module, self._make_pre_forward(index, records), self._make_post_forward(index, records), first=True)
         for record in self.manager.records:
             if record.trainable:
-                self._handles.append(record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record)))
+                handle = record.param.register_post_accumulate_grad_hook(self._make_grad_hook(record))
+                self._handles.append(handle)
+                self._grad_hooks.append((record, handle.id))
+        self.manager.before_backward.append(self._order_grad_hooks)
         if self.manager.mixed:
             for module in self.manager.table.module_records:
                 if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
@@ -236,6 +242,30 @@ class ModelHooks:
         self._handles.extend(self._guard.install())
         for module in self.manager.module.modules():
             self._handles.append(ModuleZeroGrad(module, self.manager))
+
+    def _order_grad_hooks(self) -> None:
+        """[Note: the user's post-accumulate-grad hooks]
+        A hook user code registers with ``p.register_post_accumulate_grad_hook`` runs with ``p.grad`` holding the
+        gradient, and then the engine's own hook takes it into the chunks (``p.grad`` is None after it). A user's
+        hook registered after setup would run after the engine's and see None (an optimizer step fused into the
+        backward would silently do nothing), so at each backward's start the engine's hook moves to the end of
+        each parameter's hooks. Under gradient accumulation torch hands such a hook the sum of the micro-batches so
+        far, where ``p.grad`` here holds this micro-batch's gradient alone: refused, naming the parameter."""
+        accumulating = self.manager.grads.accumulating
+        for record, key in self._grad_hooks:
+            hooks = record.param._post_accumulate_grad_hooks
+            if hooks is None or len(hooks) < 2:
+                continue
+            if accumulating:
+                raise RuntimeError(
+                    f"PatrickStar: parameter '{record.names[0]}' has a post-accumulate-grad hook"
+                    " (`register_post_accumulate_grad_hook`) and the gradients accumulate over micro-batches: torch"
+                    " hands the hook the sum of the micro-batches so far, while PatrickStar's `p.grad` there holds"
+                    " this micro-batch's gradient alone. HINT: set accumulate_grad_batches=1 (or accumulate in the"
+                    " hook yourself), or remove the hook."
+                )
+            if next(reversed(hooks)) != key:  # autograd walks the dict's own order (PyDict_Next), which
+                hooks[key] = hooks.pop(key)  # an OrderedDict's move_to_end leaves alone: re-insert it last
 
     def _is_managed(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one the engine manages now (in a chunk slot, or a host-resident embedding)."""

@@ -129,6 +129,7 @@ class ChunkManager:
         self.pipeline = StepPipeline()
         # optimizers told when a module's zero_grad forgot gradients ([Note: a module's zero_grad])
         self.zero_grad_listeners: list[Callable[[set[int]], None]] = []
+        self.before_backward: list[Callable[[], None]] = []  # the hooks' checks at each backward's start
         self.grad_guard = GradGuard()  # [Note: gradients user code cannot see] in runtime/grad_guard.py
         self.tailing = False  # an optimizer.step() returned with steps in flight (optimizer_overlap="next_forward")
         self.recomputes = False  # a module's forward ran inside a backward ([Note: copies back inside the backward])
@@ -331,6 +332,8 @@ class ChunkManager:
 
     def begin_backward(self) -> None:
         """Every rank starts the backward of a training pass (the strategy's ``pre_backward``)."""
+        for check in self.before_backward:
+            check()
         self.remove_grad_guard()
         with torch.no_grad():
             self.sharding.begin_backward()

@@ -213,3 +213,31 @@ def test_fabric_setup_with_an_optimizer_over_frozen_parameters_is_refused() -> N
     evaluated = other.setup(_net().requires_grad_(False))
     with torch.no_grad():
         assert evaluated(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 4, VOCAB)
+
+
+def test_memory_shared_between_parameters_or_with_a_buffer_is_refused_only_where_it_overlaps() -> None:
+    """``refuse_shared_storage``: parameters cut from one flat buffer side by side stay separate tensors in plain
+    PyTorch too (accepted); a parameter viewing another's memory, or a buffer viewing a parameter, is refused naming
+    both, wherever the overlapping tensors sort."""
+    from lightning_pstar.setup_checks import refuse_shared_storage
+
+    flat = torch.zeros(100)
+    side_by_side = nn.Module()
+    side_by_side.a = nn.Parameter(flat[:40])
+    side_by_side.b = nn.Parameter(flat[40:])
+    side_by_side.register_buffer("own", torch.zeros(8))
+    refuse_shared_storage(side_by_side)
+
+    alias = nn.Module()
+    alias.a = nn.Linear(4, 4)
+    alias.row = nn.Parameter(alias.a.weight.data[1])
+    with pytest.raises(ValueError, match=r"Parameters 'a.weight' and 'row' share memory.*HINT"):
+        refuse_shared_storage(alias)
+
+    wide = torch.zeros(100)
+    buffered = nn.Module()
+    buffered.register_buffer("wide", wide)  # starts before the parameter and reaches past it
+    buffered.register_buffer("short", torch.zeros(3))
+    buffered.p = nn.Parameter(wide[60:70])
+    with pytest.raises(ValueError, match=r"Buffer 'wide' shares memory with parameter 'p'.*HINT"):
+        refuse_shared_storage(buffered)
