@@ -329,10 +329,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--probe-repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tiny model and 4 steps: checks that it runs")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--only",
+        metavar="OVERLAP[:clip]",
+        help="one run alone (e.g. next_forward or auto:clip): its step and phase times as JSON, no stages or targets",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 25, 23, 8192, 1
     torch.set_num_threads(args.threads)
+    if args.only:
+        overlap, _, clip = args.only.partition(":")
+        run = _fit(args, placement="host", overlap=overlap, clip=clip == "clip")
+        one = {k: v for k, v in run.items() if k.endswith("_ms") or k in ("overlap", "clip", "schedule")}
+        one["load_average"] = os.getloadavg()
+        print(json.dumps(one))
+        return one
 
     compute = _fit(args, placement="device", overlap="off", clip=False)
     runs = [

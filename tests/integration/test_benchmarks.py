@@ -273,3 +273,13 @@ def test_offload_quick_measures_every_schedule_against_its_bounds(tmp_path: Path
         serial = runs[("off", target["clip"])]["step_ms"]
         assert target["bandwidth_floor_ms"] == pytest.approx(serial / headroom)
     assert "target <= 1.15x" in proc.stdout
+
+
+def test_offload_only_runs_one_schedule_alone(tmp_path: Path) -> None:
+    """benchmarks/offload.py --only OVERLAP[:clip]: that run alone, its step and phases as one JSON line."""
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "offload.py"), "--quick", "--only", "next_forward:clip"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["overlap"] == "next_forward" and run["clip"] is True
+    assert run["step_ms"] > 0 and run["forward_ms"] > 0 and run["backward_ms"] > 0
