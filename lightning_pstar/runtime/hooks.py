@@ -365,7 +365,17 @@ class ModelHooks:
         self._unpack_pins = set()
         self._remove_leaf_hooks()
         with torch.autograd.graph.saved_tensors_hooks(self._eager_pack, self._eager_unpack):
-            yield
+            try:
+                yield
+            except RuntimeError as err:
+                if "torch.func" in str(err) and "saved tensor hooks" in str(err):
+                    raise RuntimeError(
+                        "PatrickStar tracks the weights autograd saves in a training step with saved-tensor hooks,"
+                        " which torch.func's transforms (grad, vjp, jacrev, hessian; vmap over them) refuse. HINT:"
+                        " compute per-sample gradients with torch.autograd.grad in a loop over the samples, or train"
+                        " this model with another strategy."
+                    ) from err
+                raise
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         lookup = self.manager.table.by_id.get  # the record of a managed parameter by identity (hot path)

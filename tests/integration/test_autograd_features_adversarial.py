@@ -997,11 +997,6 @@ class PerSampleGradLM(LM):
         return (per_sample / (1 + norms.detach())).mean()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.func.grad in a training step crashes with torch's 'torch.func.{grad, vjp, jacrev, hessian} don't "
-    "yet support saved tensor hooks': the engine's training-forward saved_tensors_hooks; no message names it",
-)
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_per_sample_gradients_with_vmap(name: str) -> None:
     """Plain Lightning trains; the strategy must match it or refuse with its own message and a HINT."""
