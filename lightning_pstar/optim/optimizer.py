@@ -190,10 +190,12 @@ class ChunkedOptimizer(Optimizer):
         self._refuse_changes_since_setup()
         # p.grad stand-ins ([Note: gradients user code cannot see]); gradients user code set to None are not stepped
         self._manager.remove_grad_guard(self._records)
-        assigned = [r.names[0] for r in self._records if r.param.grad is not None]  # no guard was in place
+        with torch._C.DisableTorchFunctionSubclass():  # a parameter parked by a step in flight is read too
+            assigned = [r.names[0] for r in self._records if r.param.grad is not None]  # no guard was in place
         if assigned:
-            for record in self._records:
-                record.param.grad = None
+            with torch._C.DisableTorchFunctionSubclass():
+                for record in self._records:
+                    record.param.grad = None
             raise GradientsInChunksError(
                 f"PatrickStar keeps gradients in its chunks, not in `p.grad`: `p.grad` of {assigned[:3]} was assigned"
                 " (no backward ran since the last step, e.g. gradients from torch.autograd.grad), and the step would"

@@ -252,8 +252,9 @@ class ModelHooks:
         each parameter's hooks. Under gradient accumulation torch hands such a hook the sum of the micro-batches so
         far, where ``p.grad`` here holds this micro-batch's gradient alone: refused, naming the parameter."""
         accumulating = self.manager.grads.accumulating
-        for record, key in self._grad_hooks:
-            hooks = record.param._post_accumulate_grad_hooks
+        with torch._C.DisableTorchFunctionSubclass():  # a parameter parked by a step in flight is read unguarded
+            tables = [(record, key, record.param._post_accumulate_grad_hooks) for record, key in self._grad_hooks]
+        for record, key, hooks in tables:
             if hooks is None or len(hooks) < 2:
                 continue
             if accumulating:
