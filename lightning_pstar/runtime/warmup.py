@@ -187,14 +187,18 @@ def placement_problem(tracer: MemoryTracer, residency: Residency, budget: int) -
 
 
 def _check_trace_fits(tracer: MemoryTracer, needs: Sequence[int], budget: int) -> None:
-    for index, (moment, total) in enumerate(zip(tracer.trace.moments, needs, strict=True)):
-        if total > budget:
-            raise MemoryBudgetError(
-                f"device_memory_limit is too small for this model's iteration: at moment {index}"
-                f" ({moment.kind.value}) the warm-up measured {format_bytes(moment.non_model_bytes, exact=True)}"
-                " of non-model memory (activations) and the chunks needed then take"
-                f" {format_bytes(total - moment.non_model_bytes, exact=True)}, together"
-                f" {format_bytes(total, exact=True)}, but the device budget is {format_bytes(budget, exact=True)}."
-                " HINT: raise device_memory_limit, lower the batch size or chunk_size, or use activation"
-                " checkpointing."
-            )
+    """Refuse a budget some moment of the warm-up needs more than, naming the moment that needs the most (a budget
+    of that figure fits every moment: raising the budget to a smaller moment's figure would be refused again)."""
+    if not needs or max(needs) <= budget:
+        return
+    index = max(range(len(needs)), key=needs.__getitem__)
+    moment, total = tracer.trace.moments[index], needs[index]
+    raise MemoryBudgetError(
+        f"device_memory_limit is too small for this model's iteration: at moment {index}"
+        f" ({moment.kind.value}) the warm-up measured {format_bytes(moment.non_model_bytes, exact=True)}"
+        " of non-model memory (activations) and the chunks needed then take"
+        f" {format_bytes(total - moment.non_model_bytes, exact=True)}, together"
+        f" {format_bytes(total, exact=True)} (the most any moment needs), but the device budget is"
+        f" {format_bytes(budget, exact=True)}. HINT: raise device_memory_limit to at least that, lower the batch size"
+        " or chunk_size, or use activation checkpointing."
+    )
