@@ -72,6 +72,7 @@ Without a copy stream (the simulated device, or a copy on the CPU side) every co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -84,6 +85,9 @@ from lightning_pstar.runtime.transfer_stats import TransferStats
 
 __all__ = ["Chunk", "ChunkKind", "Slot", "TransferStats"]
 
+_ordinary_tensors = functools.partial(torch.inference_mode, False)  # [Note: storage identity]: buffers and views the
+# engine makes while user code runs under torch.inference_mode() (an evaluation forward fetching chunks) must stay
+# ordinary tensors: an inference tensor refuses the in-place writes (copies, the optimizer's update) made after it
 _DEVICE = Tier.DEVICE  # module-level: an Enum member read through its class costs a lookup on the hot path
 
 
@@ -243,7 +247,8 @@ class Chunk:
         hit = views.get(id(slot))
         if hit is not None and hit[0] is slot and hit[1] is buf:
             return hit[2]
-        view = slot.view_in(buf)
+        with _ordinary_tensors():  # a view taken in the user's inference mode would be one for good
+            view = slot.view_in(buf)
         views[id(slot)] = (slot, buf, view)
         return view
 
@@ -251,7 +256,8 @@ class Chunk:
     def allocate(self, tier: Tier, *, zero: bool = True) -> None:
         """Give the released chunk storage on ``tier``, zeroed unless it is about to be overwritten."""
         assert self._tier is None, f"chunk {self.chunk_id} is already allocated on {self._tier}"
-        storage = self._storage_for(tier, allocate=True)
+        with _ordinary_tensors():
+            storage = self._storage_for(tier, allocate=True)
         if zero:
             storage.zero_()
         self._set_tier(tier)
@@ -480,6 +486,10 @@ class Chunk:
         self._tier = tier
 
     def _storage_for(self, tier: Tier, *, allocate: bool) -> torch.Tensor:
+        with _ordinary_tensors():  # buffers made in the user's inference mode would refuse in-place writes after it
+            return self._storage_for_tier(tier, allocate=allocate)
+
+    def _storage_for_tier(self, tier: Tier, *, allocate: bool) -> torch.Tensor:
         if tier is Tier.DEVICE:
             buf = self._device_buffer
         else:  # pinned on CUDA, accounted as held: [Note: pinned memory] in pinned.py
