@@ -31,6 +31,7 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.types import _PATH, Optimizable
+from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
@@ -386,7 +387,9 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def _managed(self, obj: Any) -> bool:
-        """Whether ``obj`` is the model this strategy set up (or Fabric's unwrapped view of it)."""
+        """Whether ``obj`` is the model this strategy set up (or Fabric's wrapped or unwrapped view of it)."""
+        if isinstance(obj, _FabricModule):  # what fabric.setup returned
+            obj = obj._forward_module
         if isinstance(obj, _ChunkedModule):
             obj = obj.module
         return self._module is not None and obj is self._module

@@ -413,3 +413,30 @@ def test_load_with_other_param_groups_is_refused_before_the_weights_change(layou
         fabric.load(path, {"model": model, "optimizer": optimizer})
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert_states_equal(after, before, what=f"{layout}: weights after a refused load")
+
+
+def test_get_module_state_dict_of_the_wrapped_model_ends_the_steps_in_flight() -> None:
+    """``fabric.strategy.get_module_state_dict(model)`` with the model ``fabric.setup`` returned (Fabric's wrapper) is
+    the engine's state dict, as with the unwrapped module: under "next_forward", right after ``optimizer.step()``, it
+    ends the tail in flight and gives the updated weights (it fell back to ``model.state_dict()``, which refused the
+    parked parameters)."""
+    from torch import nn
+
+    def run(overlap: str) -> dict[str, torch.Tensor]:
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=PatrickStarFabricStrategy(
+            optimizer_placement="host", optimizer_overlap=overlap))  # fmt: skip
+        fabric.launch()
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        data = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            fabric.backward(model(torch.randn(4, 8, generator=data)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in fabric.strategy.get_module_state_dict(model).items()}
+
+    serial, tail = run("off"), run("next_forward")
+    assert serial.keys() == tail.keys()
+    for key in serial:
+        assert torch.equal(serial[key], tail[key]), key
