@@ -27,7 +27,12 @@ __all__ = ["ADAM", "D2H", "H2D", "STAGE_NAMES", "Lanes", "host_lanes"]
 # A free lane goes to a waiting stage of the latest kind (:class:`Lanes`: H2D, then Adam, then D2H), claimed when
 # the job is handed over: with one lane, the Adam stage would otherwise take it for job after job while job k's copy
 # back waits behind all of them (measured: a forward that needs the first family waited for every family's Adam),
-# although job k is the one the compute needs first.
+# although job k is the one the compute needs first. One exception feeds the Adams: a copy out goes before an Adam
+# while fewer jobs wait for an Adam than there are lanes (the lent one counted), since a job whose gradients were not
+# copied out cannot start its Adam when a lane frees. With one lane that is the order above; with a lent lane, at the
+# end of a backward that handed over the first layers' jobs at once, the Adam latest in line used to take the lent
+# lane while the next copies out waited behind two Adams, and the lane that freed next had no Adam to run (traced:
+# one Adam at a time in the step's tail, the other lane on 1 ms copies and idle between them).
 #
 # While the calling thread waits for a job (``optimizer.step()`` finishing the jobs it submitted, a module waiting
 # for its family), its core is idle: it lends one more lane for the wait (:meth:`Lanes.lent`), and the Adam stage
@@ -58,10 +63,13 @@ STAGE_NAMES = ("d2h", "adam", "h2d")
 
 class Lanes:
     """At most ``count`` CPU stages at once; a freed lane goes to a waiting stage of the latest kind (H2D, then
-    Adam, then D2H: the stage that finishes a job first, [Note: host lanes]). Each stage is one worker thread."""
+    Adam, then D2H: the stage that finishes a job first), but to a D2H while fewer jobs wait for an Adam than there
+    are lanes ([Note: host lanes]). Each stage is one worker thread."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, *, adam_threads: int = 2) -> None:
         self._count = count
+        self._adam_threads = adam_threads  # the Adam stage's worker threads (``StepPipeline``'s)
+        self._running = [0, 0, 0]  # per stage: holding a lane now
         self._free = count
         self._lent = 0  # lanes lent by waiting callers now
         self.lent_runs = 0  # stages that started beyond ``count`` (in a lent lane)
@@ -73,6 +81,7 @@ class Lanes:
         ``claimed=True`` takes it)."""
         with self._changed:
             self._claims[stage] += 1
+            self._changed.notify_all()  # one more job waiting for an Adam may let an Adam go (``_behind``)
 
     def unclaim(self, stage: int) -> None:
         """A claim whose hand-off failed (the worker refused the job: the interpreter is shutting down): the
@@ -94,21 +103,42 @@ class Lanes:
             with self._changed:
                 self._free -= 1  # a stage running in the lent lane ends first; no new one starts until then
                 self._lent -= 1
+                self._changed.notify_all()  # one lane fewer may let an Adam go before a copy out (``_behind``)
 
     @contextmanager
     def held(self, stage: int, *, claimed: bool) -> Generator[None, None, None]:
         with self._changed:
             if not claimed:
                 self._claims[stage] += 1
-            while self._free <= 0 or any(self._claims[stage + 1 :]):
+            while self._free <= 0 or self._behind(stage):
                 self._changed.wait()
             self._claims[stage] -= 1
             self._free -= 1
+            self._running[stage] += 1
             if self._count + self._lent - self._free > self._count:
                 self.lent_runs += 1
+            # a claim fewer may let another stage go in a lane still free (``_behind`` reads the claims): every
+            # change a waiting stage's condition reads wakes the waiters, or one could sleep beside a free lane
+            self._changed.notify_all()
         try:
             yield
         finally:
             with self._changed:
                 self._free += 1
+                self._running[stage] -= 1
                 self._changed.notify_all()
+
+    def _behind(self, stage: int) -> bool:
+        """Whether a claimed stage goes before ``stage`` for the next free lane (under the lock): H2D first; then
+        D2H while fewer jobs wait for an Adam than there are lanes (each lane may run an Adam as soon as it is free:
+        a job whose gradients were not copied out yet cannot), else Adam ([Note: host lanes])."""
+        claims = self._claims
+        if stage == H2D:
+            return False
+        if claims[H2D]:
+            return True
+        adams_fed = claims[ADAM] >= self._count + self._lent
+        if stage == ADAM:
+            return claims[D2H] > 0 and not adams_fed
+        adam_waits = claims[ADAM] > 0 and self._running[ADAM] < self._adam_threads  # a thread to take the lane
+        return adam_waits and adams_fed

@@ -136,7 +136,7 @@ class StepPipeline:
         self._seqs = itertools.count()
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.times = StageTimes()
-        self._lanes = Lanes(host_lanes())  # [Note: host lanes]
+        self._lanes = Lanes(host_lanes(), adam_threads=_ADAM_THREADS)  # [Note: host lanes]
         self.early: set[int] = set()  # families whose copy back may run inside the backward (``submit(back_now)``)
         self._aside: list[Future[Any]] = []  # reads run beside the backward (:meth:`run_aside`)
         # optimizer_overlap's schedule as the last optimizer that stepped chose it ([Note: choosing the schedule]
@@ -334,7 +334,7 @@ class StepPipeline:
     # ---- workers -------------------------------------------------------------------------------------------
     def _workers(self) -> list[ThreadPoolExecutor]:
         if self._stages is None:
-            threads = {"d2h": 1, "adam": 2, "h2d": 1}  # two Adams at once in a lent lane ([Note: host lanes])
+            threads = {"d2h": 1, "adam": _ADAM_THREADS, "h2d": 1}
             self._stages = [ThreadPoolExecutor(n, thread_name_prefix=f"pstar-{name}") for name, n in threads.items()]
         return self._stages
 
@@ -461,6 +461,7 @@ def _done(job: HostJob) -> None:
 
 
 _STAGE_RUNS = (_copy_out, _adam, _copy_back)
+_ADAM_THREADS = 2  # two Adams at once in a lent lane ([Note: host lanes])
 _NO_LANE = contextlib.nullcontext()
 
 

@@ -3,7 +3,9 @@ stage order within a job, bookkeeping on the calling thread only, held copies ba
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -328,3 +330,98 @@ def test_an_empty_copy_out_takes_no_lane(monkeypatch: pytest.MonkeyPatch) -> Non
         gate.set()
         pipeline.drain()
         pipeline.close()
+
+
+@pytest.mark.parametrize("lent", [False, True])
+def test_a_freed_lane_feeds_the_adams_before_running_one(lent: bool) -> None:
+    """[Note: host lanes]: a freed lane goes to a waiting copy out before a waiting Adam while fewer jobs wait for an
+    Adam than there are lanes (so that the next lane to free has an Adam to run); with one lane and no lent one, to
+    the Adam (the job nearer its end), as before."""
+    from lightning_pstar.runtime.lanes import ADAM, D2H, Lanes
+
+    lanes = Lanes(1)
+    entered: list[str] = []
+    release = [threading.Event() for _ in range(2)]
+    started = [threading.Event() for _ in range(2)]
+
+    def holder(i: int) -> None:
+        with lanes.held(ADAM, claimed=False):
+            started[i].set()
+            release[i].wait(10)
+
+    done = threading.Event()
+
+    def waiter(stage: int, name: str, claimed: bool) -> None:
+        with lanes.held(stage, claimed=claimed):
+            entered.append(name)
+            done.wait(10)
+
+    with lanes.lent() if lent else contextlib.nullcontext():
+        holders = [threading.Thread(target=holder, args=(i,)) for i in range(2 if lent else 1)]
+        for i, thread in enumerate(holders):
+            thread.start()
+            assert started[i].wait(5)
+        lanes.claim(ADAM)  # one job waits for an Adam (handed over by its copy out)
+        waiters = [
+            threading.Thread(target=waiter, args=(ADAM, "adam", True)),
+            threading.Thread(target=waiter, args=(D2H, "d2h", False)),
+        ]
+        for thread in waiters:
+            thread.start()
+        deadline = time.monotonic() + 5
+        while lanes._claims[D2H] == 0 and time.monotonic() < deadline:  # the copy out waits for a lane now
+            time.sleep(0.001)
+        release[0].set()  # one lane frees: exactly one waiter may take it
+        holders[0].join(5)
+        deadline = time.monotonic() + 5
+        while not entered and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.02)
+        first = list(entered)
+        done.set()
+        release[1].set()
+        for thread in [*holders, *waiters]:
+            thread.join(5)
+    assert first == (["d2h"] if lent else ["adam"])
+    assert sorted(entered) == ["adam", "d2h"]
+
+
+def test_lanes_never_leave_a_waiting_stage_beside_a_free_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: host lanes]: which stage takes a free lane reads the claims and how many lanes are lent, so every change
+    of those wakes the waiting stages. Rounds of jobs and reads run aside, drained by a caller that lends a lane (one
+    intra-op thread) and by one that does not (a read aside is waited for without lending), with stage times that
+    vary, all end (before, a copy out aside and an Adam each waited for the other once the lent lane was taken back)."""
+    import random
+
+    from lightning_pstar.runtime import pipeline as module
+
+    monkeypatch.setattr(module, "host_lanes", lambda: 1)
+    monkeypatch.setattr(module.torch, "get_num_threads", lambda: 1)
+    rng = random.Random(0)
+    pipeline = StepPipeline()
+
+    def pause(seconds: float) -> Any:
+        return lambda *args: threading.Event().wait(seconds)
+
+    def rounds() -> None:
+        for _ in range(150):
+            count = rng.randint(1, 5)
+            for fid in range(count):
+                pipeline.submit(
+                    HostJob(
+                        family_id=fid, d2h=pause(rng.random() * 0.002), adam=pause(rng.random() * 0.004),
+                        h2d=pause(rng.random() * 0.002), finish=lambda _: None, scratch_numel=1,
+                    )
+                )  # fmt: skip
+                if rng.random() < 0.5:
+                    pipeline.run_aside(pause(rng.random() * 0.002))
+            pipeline.wait(rng.randrange(count))  # lends a lane, then takes it back with jobs in flight
+            if rng.random() < 0.5:
+                pipeline.run_aside(pause(rng.random() * 0.002))
+            pipeline.drain()  # waits for the reads aside first, lending nothing
+
+    runner = threading.Thread(target=rounds, daemon=True)
+    runner.start()
+    runner.join(60)
+    assert not runner.is_alive(), "the pipeline's stages stopped with lanes free"
+    pipeline.close()
