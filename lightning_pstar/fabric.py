@@ -53,6 +53,7 @@ from lightning_pstar.optim import ChunkedOptimizer
 from lightning_pstar.precision import PatrickStarFabricPrecision
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.meta_init import meta_device
 from lightning_pstar.runtime.tracer import out_of_memory_as_error
 from lightning_pstar.setup_checks import refuse_no_trainable_parameters, refuse_shared_parameters
 
@@ -200,11 +201,13 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         # `empty_init=True`: the meta device, materialised into chunks at setup (the full model never exists);
         # otherwise the host: the model moves into chunks at setup, never whole onto the device
-        return torch.device("meta") if empty_init else torch.device("cpu")
+        if empty_init:  # [Note: loading into a meta model] in runtime/meta_init.py
+            return meta_device("`fabric.init_module(empty_init=True)`")
+        return torch.device("cpu")
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        return torch.device("meta")
+        return meta_device("`fabric.init_module(empty_init=True)`")
 
     # ---- setup ----------------------------------------------------------------------------------------
     @override
@@ -316,7 +319,9 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
             result = self.precision.optimizer_step(optimizer, **kwargs)
         # plain PyTorch keeps the step's gradients in p.grad until zero_grad: stand-ins show whether the loop drops
         # them with model.zero_grad() ([Note: gradients set to None] in runtime/grad_guard.py)
-        manager.guard_stale_grads(self._chunked(optimizer)._records)
+        chunked = self._chunked(optimizer)
+        if chunked.consumed_gradients:
+            manager.guard_stale_grads(chunked._records)
         self._batch_open = False  # a forward after a step starts a micro-batch, even if no backward came between
         # one step per iteration ends the warm-up; several optimizers may step per iteration
         optimizer_stepped(manager, one_per_iteration=len(self._optimizers) == 1)

@@ -36,6 +36,7 @@ from lightning_pstar.setup_checks import (
     refuse_shared_parameters,
     refuse_shared_storage,
     refuse_sparse_gradients,
+    refuse_unhookable_modules,
     refuse_unsupported_dtypes,
 )
 
@@ -144,6 +145,7 @@ def build_engine(
     """Plan (every check before anything changes), materialise the model into chunks, install the hooks and
     move the buffers. Called on every rank, in the same order (it may create a process group)."""
     precision.device_type = device.type
+    refuse_unhookable_modules(module)
     refuse_unsupported_dtypes(module, precision.compute_dtype)
     refuse_fp32_parametrizations(module, precision.compute_dtype)
     refuse_sparse_gradients(module)

@@ -143,10 +143,37 @@ class ChunkPrecision(FabricPrecision):
         if clip_val <= 0:
             return
         policy = self._chunked(optimizer).gradient_policy
+        # the step clips once by norm, then clamps by value; torch applies each call to the gradients as they are then
+        # (a norm after a clamp measures the clamped gradients; two norm clips scale twice, each with its epsilon)
+        if by_norm and (policy.clip_norm is not None or policy.clip_value is not None):
+            earlier = "by norm" if policy.clip_norm is not None else "by value"
+            raise RuntimeError(
+                f"PatrickStar: `clip_gradients` by norm was called after a clip {earlier} for the same optimizer"
+                " step. PatrickStar clips inside the step, once by norm and then by value, so it cannot apply a norm"
+                " clip to gradients already clipped; plain PyTorch would. HINT: clip by norm at most once per step,"
+                " and before any clipping by value."
+            )
         if by_norm:
             policy.clip_norm = float(clip_val)
-        else:
-            policy.clip_value = float(clip_val)
+        else:  # clamping twice is clamping once to the tighter bound, exactly
+            bound = float(clip_val)
+            policy.clip_value = bound if policy.clip_value is None else min(policy.clip_value, bound)
+
+    def refuse_backward_after_clipping(self, optimizers: Any) -> None:
+        """A backward starts while a clip requested for the coming step waits for it: torch clipped the gradients
+        present at the call, and this backward adds unclipped ones; the engine would clip their sum."""
+        for optimizer in optimizers:
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            if not isinstance(inner, ChunkedOptimizer):
+                continue
+            policy = inner.gradient_policy
+            if policy.clip_norm is not None or policy.clip_value is not None:
+                raise RuntimeError(
+                    "PatrickStar: a backward started after `clip_gradients` and before the optimizer step it was"
+                    " called for. PatrickStar clips inside the step, so it would clip the sum of both backwards'"
+                    " gradients, where plain PyTorch clipped only the earlier ones. HINT: call `clip_gradients` right"
+                    " before `optimizer.step()`, after the last backward of the step."
+                )
 
     @staticmethod
     def _chunked(optimizer: Any) -> ChunkedOptimizer:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
@@ -20,6 +21,7 @@ __all__ = [
     "refuse_shared_parameters",
     "refuse_shared_storage",
     "refuse_sparse_gradients",
+    "refuse_unhookable_modules",
     "refuse_unsupported_dtypes",
 ]
 
@@ -87,16 +89,18 @@ def refuse_sparse_gradients(module: nn.Module) -> None:
 
 
 def refuse_shared_storage(module: nn.Module) -> None:
-    """A parameter whose memory overlaps another parameter's (``nn.Parameter(a.weight.data[0])``) or a buffer's
-    (``register_buffer("row", a.weight.detach()[0])``) is one tensor in plain PyTorch: the optimizer's update of
-    one is seen through the other. Each parameter gets its own chunk slot here, so the alias would silently go on
-    reading the weights before setup: refused at setup, naming both (tied weights, one Parameter under two names, are
-    not this; parameters cut from one flat buffer without overlapping are not either)."""
+    """A parameter whose memory overlaps another parameter's (``nn.Parameter(a.weight.data[0])``), a buffer's
+    (``register_buffer("row", a.weight.detach()[0])``) or a plain tensor attribute's (``self.wt = self.lin.weight.t()``)
+    is one tensor in plain PyTorch: the optimizer's update of one is seen through the other. Each parameter gets its
+    own chunk slot here, so the alias would silently go on reading the weights before setup: refused at setup, naming
+    both (tied weights, one Parameter under two names, are not this; parameters cut from one flat buffer without
+    overlapping are not either)."""
     spans = [(*_span(p), name, "parameter") for name, p in module.named_parameters()]
     spans += [(*_span(b), name, "buffer") for name, b in module.named_buffers()]
+    spans += [(*_span(t), name, "tensor attribute") for name, t in _tensor_attributes(module)]
     spans = sorted(s for s in spans if s[1] > s[0])
     last_param: tuple[int, str] = (0, "")  # the parameter reaching furthest so far: its end, its name
-    last_buffer: tuple[int, str] = (0, "")
+    last_other: tuple[int, str, str] = (0, "", "")  # the buffer or tensor attribute reaching furthest so far
     for start, end, name, kind in spans:
         if kind == "parameter" and last_param[0] > start:
             raise ValueError(
@@ -105,19 +109,58 @@ def refuse_shared_storage(module: nn.Module) -> None:
                 " view would stop following the other's updates. HINT: tie them as one Parameter (`b.weight ="
                 " a.weight`), or compute the view in forward (`a.weight[0]`)."
             )
-        other = last_buffer if kind == "parameter" else last_param
-        if other[0] > start:
-            buffer, param = (other[1], name) if kind == "parameter" else (name, other[1])
+        if kind == "parameter" and last_other[0] > start or kind != "parameter" and last_param[0] > start:
+            other, what, param = (
+                (last_other[1], last_other[2], name) if kind == "parameter" else (name, kind, last_param[1])
+            )
             raise ValueError(
-                f"Buffer '{buffer}' shares memory with parameter '{param}' (it is a view of the weight): PatrickStar"
-                " moves parameters into chunks at setup, so the buffer would go on reading the weight as it was"
-                " before training. HINT: compute it from the parameter in forward, or register a copy (`.clone()`)"
-                " if it should not follow training."
+                f"{what.capitalize()} '{other}' shares memory with parameter '{param}' (it is a view of the weight):"
+                f" PatrickStar moves parameters into chunks at setup, so the {what} would go on reading the weight as"
+                " it was before training. HINT: compute it from the parameter in forward (e.g. `self.lin.weight.t()`"
+                " there), or keep a copy (`.clone()`) if it should not follow training."
             )
         if kind == "parameter":
             last_param = max(last_param, (end, name))
         else:
-            last_buffer = max(last_buffer, (end, name))
+            last_other = max(last_other, (end, name, kind))
+
+
+def _tensor_attributes(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Plain tensors a module keeps as attributes (not parameters, not buffers), by qualified name."""
+    found = []
+    for prefix, sub in module.named_modules():
+        # what a forward pre-hook computes again before every forward (torch's legacy `weight_norm` and
+        # `spectral_norm` set `weight` from `weight_orig`/`weight_v` so): not a stale copy
+        recomputed = {getattr(hook, "name", None) for hook in sub._forward_pre_hooks.values()}
+        for key, value in vars(sub).items():
+            if key in recomputed or key.startswith("__"):
+                continue
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                found.append((f"{prefix}.{key}" if prefix else key, value))
+    return found
+
+
+def refuse_unhookable_modules(module: nn.Module) -> None:
+    """Modules the engine cannot lay out or hook, refused naming the first: a lazy module not run yet (its
+    parameters have no shape, so no chunk slot), a TorchScript module (it takes no forward hooks, and the engine
+    fetches each module's chunks in one)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.jit.ScriptModule):
+            raise ValueError(
+                f"Module '{name}' is a TorchScript module ({type(sub).__name__}: `torch.jit.script`/`trace`), which"
+                " takes no forward hooks; PatrickStar fetches each module's chunks in one. HINT: keep the eager"
+                " module (`torch.compile` works with PatrickStar), or script it after training."
+            )
+        for kind, tensors in (("parameter", sub._parameters), ("buffer", sub._buffers)):
+            for pname, tensor in tensors.items():
+                if isinstance(tensor, UninitializedTensorMixin):
+                    where = f"{name}.{pname}" if name else pname
+                    raise ValueError(
+                        f"The {kind} '{where}' of lazy module {type(sub).__name__} is not initialised yet (it gets its"
+                        " shape at the first forward): PatrickStar lays out every parameter in chunks at setup, so it"
+                        " needs their shapes then. HINT: run one forward on a sample batch before `fit` /"
+                        " `fabric.setup` (e.g. at the end of `__init__`), or give the module its input size."
+                    )
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

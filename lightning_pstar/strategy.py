@@ -57,6 +57,7 @@ from lightning_pstar.precision import PatrickStarPrecision
 from lightning_pstar.report import MemoryReport
 from lightning_pstar.runtime.hooks import ModelHooks
 from lightning_pstar.runtime.manager import ChunkManager
+from lightning_pstar.runtime.meta_init import meta_device
 from lightning_pstar.runtime.tracer import out_of_memory_as_error
 from lightning_pstar.setup_checks import explain_optimizer_setup_error, refuse_no_trainable_parameters
 from lightning_pstar.trainer_checks import refuse_unsupported_callbacks
@@ -188,7 +189,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         # models built in `configure_model` are created on the meta device and materialised straight
         # into chunks: the full fp32 model never exists on the device
-        with torch.device("meta"):
+        with meta_device("`configure_model`"):  # [Note: loading into a meta model] in runtime/meta_init.py
             yield
 
     _warned_slow_bf16 = False  # bf16-mixed on a CPU without bf16 units: said once per strategy (see setup)
@@ -275,6 +276,13 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         with out_of_memory_as_error(self._manager):  # the closure runs the backward
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._manager is not None:
+            chunked = chunked_of(optimizer)
+            if (
+                chunked is not None and chunked.consumed_gradients
+            ):  # plain PyTorch keeps the step's gradients in p.grad until zero_grad: batch-end
+                # hooks may read them; stand-ins refuse that, and show whether user code drops them ([Note: gradients
+                # set to None] in runtime/grad_guard.py)
+                self._manager.guard_stale_grads(chunked._records)
             module = self.lightning_module
             # one step per iteration ends the warm-up; manual loops may step several optimizers per batch
             one = len(self.optimizers) == 1 and module is not None and module.automatic_optimization
@@ -338,6 +346,9 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self._manager is not None:
+            refuse = getattr(self.precision_plugin, "refuse_backward_after_clipping", None)
+            if refuse is not None:
+                refuse(self.optimizers)
             self._manager.begin_backward()  # every rank is here: collectives may start (see groups.py)
             self._manager.note_loss(closure_loss)
             chunked = chunked_of(self.optimizers[0]) if self.optimizers else None

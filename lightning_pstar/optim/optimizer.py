@@ -224,6 +224,11 @@ class ChunkedOptimizer(Optimizer):
         families = self._families_with_grads()
         if self._zeroed_by_step[0] and families:
             self._refuse_sum_across_steps(families)
+        if self._zeroed_by_step[0] and not families and not early:
+            with torch._C.DisableTorchFunctionSubclass():
+                host_grads = any(p.grad is not None for p in self._host_params())
+            if not host_grads:
+                self._refuse_step_again()
         # a weight given new storage since the backward is what this step updates ([Note: parameters given new
         # storage] in runtime/new_storage.py)
         adopt_new_storage(manager, [r for f in families if f.family_id not in early for r in f.records])
@@ -237,7 +242,7 @@ class ChunkedOptimizer(Optimizer):
             if coef is None:
                 assert not early, "PatrickStar internal error: a step inside the backward was skipped"
                 self.last_step = StepResult(skipped=True)
-                self._zero_after_step()
+                self._zero_after_step(consumed=bool(families or on_host))
                 return
             assert coef == 1.0 or not early, "PatrickStar internal error: a step inside the backward needed clipping"
             try:
@@ -252,7 +257,7 @@ class ChunkedOptimizer(Optimizer):
             manager.weights_version += 1  # weights autograd saved by reference are stale now
             self._applied_steps += 1
             step_host_params(self._book, self.param_groups, on_host, coef, self.gradient_policy.clip_value)
-            self._zero_after_step()
+            self._zero_after_step(consumed=bool(families or on_host or early))
 
     def _refuse_changes_since_setup(self) -> None:
         """Raise, before anything changes, for what the step cannot honour since setup: param groups changed
@@ -260,6 +265,14 @@ class ChunkedOptimizer(Optimizer):
         parameter whose gradient ``zero_grad(set_to_none=False)`` kept as zeros and that got none since (torch
         steps it with a zero gradient, moving it by momentum and weight decay)."""
         self._layout.check()
+        for gi, group in enumerate(self.param_groups):  # refused at setup too (_check_options): set since then
+            flags = [k for k in ("amsgrad", "capturable", "differentiable") if group.get(k)]
+            if flags:
+                raise ValueError(
+                    f"PatrickStar: {flags[0]}=True was set in param group {gi} during the run; PatrickStar's fused"
+                    f" chunk kernels do not support it, and would step without it. Nothing was stepped. HINT: leave"
+                    f" {flags[0]}=False."
+                )
         if not self._book.is_adam and not self._momentum and any(g["momentum"] != 0 for g in self.param_groups):
             raise RuntimeError(
                 "PatrickStar: SGD momentum was turned on during the run, but the optimizer had momentum=0 in every"
@@ -422,11 +435,13 @@ class ChunkedOptimizer(Optimizer):
             " in the optimizer given to `fabric.setup`, before that call)."
         )
 
-    def _zero_after_step(self) -> None:
+    def _zero_after_step(self, *, consumed: bool = True) -> None:
         """The step consumed the gradients (applied or skipped): they go, where torch keeps them until
-        ``zero_grad``; a step before the user's next ``zero_grad`` is refused ([Note: gradients end with the step])."""
+        ``zero_grad``; a step before the user's next ``zero_grad`` is refused ([Note: gradients end with the step]).
+        ``consumed=False``: there were none (a step before any backward, or after ``zero_grad``), so torch keeps
+        nothing either, and the next step needs no ``zero_grad`` first."""
         self.zero_grad()
-        self._zeroed_by_step[0] = True
+        self._zeroed_by_step[0] = consumed
         self._zeroed_since_step.clear()
 
     @staticmethod
@@ -456,6 +471,24 @@ class ChunkedOptimizer(Optimizer):
             " gradients at each step and cannot add them. HINT: call `optimizer.zero_grad()` between steps (do not"
             " override `optimizer_zero_grad` to keep gradients); accumulate gradients over several backward calls"
             " before one step instead (`accumulate_grad_batches`, or several `manual_backward` calls)."
+        )
+
+    @property
+    def consumed_gradients(self) -> bool:
+        """Whether the last step consumed gradients that torch would keep in ``p.grad`` until ``zero_grad``."""
+        return self._zeroed_by_step[0]
+
+    def _refuse_step_again(self) -> None:
+        """[Note: gradients end with the step] A second ``step()`` with neither a backward nor ``zero_grad`` since
+        the last one: torch steps again with the gradients it kept in ``p.grad`` (Adam moves every parameter once
+        more), but the last step consumed them here. Refused before anything changes, rather than a silent no-op."""
+        name = self._records[0].names[0] if self._records else "?"
+        raise RuntimeError(
+            "PatrickStar: optimizer.step() was called again with neither a backward nor `zero_grad()` since the last"
+            f" step, so plain PyTorch would step once more with the last step's gradients (parameters such as"
+            f" '{name}'). PatrickStar frees gradients at each step and cannot step with them again. Nothing was"
+            " stepped. HINT: step once per backward (an `optimizer_step` override must not call `optimizer.step()`"
+            " twice); to repeat an update, run the backward again first."
         )
 
     def _module_zeroed(self, indices: set[int]) -> None:

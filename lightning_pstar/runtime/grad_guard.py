@@ -14,18 +14,19 @@ parameter's ``p.grad`` holds a stand-in of its shape, dtype and device from the 
 holds as in plain PyTorch; any operation on the stand-in (a norm, an in-place edit, a copy) raises
 :class:`GradientsInChunksError` naming the parameter and the engine's own ways (Lightning's and Fabric's clipping,
 which the engine applies inside the step). Assigning ``p.grad`` a tensor of one's own is refused at the step the
-same way. The stand-in owns no memory (a zero-dimensional tensor expanded to the parameter's shape).
+same way. The stand-in owns no memory (a zero-dimensional tensor expanded to the parameter's shape). The stand-ins
+also go back after every step (Trainer and Fabric), standing for the gradients the step consumed, which torch keeps in
+``p.grad`` until ``zero_grad``: a batch-end hook logging their norm got None before, and logged nothing, silently.
 
 [Note: gradients set to None]
 User code may also drop a gradient: ``model.zero_grad()`` or ``p.grad = None`` (to freeze a parameter for one
 step). Torch then steps only the parameters that still hold one, and a later backward starts their gradient anew.
 The stand-ins show it: a stand-in found None when the engine takes them away was dropped, and the engine forgets
-that parameter's gradient in its chunks before anything reads it (``ChunkManager.remove_grad_guard``). Under Fabric
-the stand-ins go back after ``optimizer.step()`` too, standing for the gradients the step consumed, which torch
-keeps in ``p.grad`` until ``zero_grad``: Fabric's model wrapper runs ``nn.Module.zero_grad`` on itself, which sets
-those to None, and that is how the engine knows a loop zeroes with ``model.zero_grad()`` ([Note: gradients end with
-the step] in ``optim/optimizer.py``; the modules of the model itself have their ``zero_grad`` seen directly:
-[Note: a module's zero_grad] in ``module_zero_grad.py``).
+that parameter's gradient in its chunks before anything reads it (``ChunkManager.remove_grad_guard``). After
+``optimizer.step()`` the stand-ins stand for the gradients the step consumed: Fabric's model wrapper runs
+``nn.Module.zero_grad`` on itself, which sets those to None, and that is how the engine knows a loop zeroes with
+``model.zero_grad()`` ([Note: gradients end with the step] in ``optim/optimizer.py``; the modules of the model
+itself have their ``zero_grad`` seen directly: [Note: a module's zero_grad] in ``module_zero_grad.py``).
 """
 
 from __future__ import annotations
@@ -58,9 +59,34 @@ _ZEROING_READS = frozenset(
     {
         torch.Tensor.grad_fn.__get__,  # type: ignore[attr-defined,union-attr,unused-ignore]
         torch.Tensor.requires_grad_,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
     }
 )
 _ZEROING = frozenset({torch._foreach_zero_, torch.Tensor.zero_})
+# what ``nn.Module._apply`` (``module.to(...)``, ``.to_empty``, ``.float()``, ``.cpu()``) does to each ``p.grad``:
+# converts it and puts the result back. A stand-in for a consumed step's gradients converts to another such stand-in
+# (of the new dtype and device), so a module moved or cast between a step and ``zero_grad`` still can be.
+_CONVERSIONS = frozenset(
+    {
+        torch.empty_like,
+        torch.Tensor.to,
+        torch.Tensor.cpu,
+        torch.Tensor.cuda,
+        torch.Tensor.float,
+        torch.Tensor.half,
+        torch.Tensor.bfloat16,
+        torch.Tensor.double,
+        torch.Tensor.type,
+    }
+)
+_APPLY_READS = frozenset(
+    {
+        torch._has_compatible_shallow_copy_type,
+        torch.Tensor.data.__set__,  # type: ignore[attr-defined,union-attr,unused-ignore]
+        torch.Tensor.requires_grad_,
+    }
+)
 
 
 class _ChunkGrad(torch.Tensor):
@@ -76,6 +102,20 @@ class _ChunkGrad(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         flat = [b for a in args for b in (a if isinstance(a, (list, tuple)) else (a,))]
+        after_step = bool(flat) and isinstance(flat[0], _ChunkGrad) and flat[0]._pstar_after_step
+        if after_step and func in _APPLY_READS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if after_step and func in _CONVERSIONS:  # the same conversion of a zero-dimensional tensor: its dtype, device
+            this = flat[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                probe = func(torch.zeros((), dtype=this.dtype, device=this.device), *args[1:], **(kwargs or {}))
+                if not isinstance(probe, torch.Tensor):  # ``Tensor.type()`` with no argument: the type's name
+                    return probe
+                converted = torch.zeros((), dtype=probe.dtype, device=probe.device).expand(this.shape)
+            out = converted.as_subclass(_ChunkGrad)
+            out._pstar_name, out._pstar_after_step = this._pstar_name, True
+            return out
         if func in _ZEROING and flat and all(isinstance(a, _ChunkGrad) and a._pstar_after_step for a in flat):
             for stand_in in flat:  # a step's consumed gradients zeroed in place: as if set to None
                 stand_in._pstar_zeroed = True
@@ -86,8 +126,8 @@ class _ChunkGrad(torch.Tensor):
             f"PatrickStar keeps gradients in its chunks, not in `p.grad`: the gradient of '{names[0]}' was used"
             f" ({what}) between the backward and the optimizer step (a hook such as `on_after_backward`,"
             " `on_before_optimizer_step` or `configure_gradient_clipping`, or code between `backward` and"
-            " `optimizer.step()`), or under Fabric after the step and before `zero_grad` (where plain PyTorch keeps"
-            " the step's gradients), where it would have read or changed nothing." + _HINT
+            " `optimizer.step()`), or after the step and before `zero_grad` (a batch-end hook, `on_before_zero_grad`;"
+            " plain PyTorch keeps the step's gradients there), where it would have read or changed nothing." + _HINT
         )
 
 
@@ -136,8 +176,8 @@ class GradGuard:
             if grad is stand_in and stand_in._pstar_zeroed:  # zeroed in place after the step: as if set to None
                 param.grad = None
                 dropped.append((param, after_step))
-            elif grad is stand_in:
-                param.grad = None
+            elif grad is stand_in or after_step and isinstance(grad, _ChunkGrad) and grad._pstar_after_step:
+                param.grad = None  # (or its conversion by ``module.to(...)``: ``_CONVERSIONS``)
             elif grad is not None:
                 assigned.append(stand_in._pstar_name)
                 param.grad = None

@@ -56,6 +56,7 @@ freed by the next collection, its run directory with it (``tests/integration/tes
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
@@ -184,6 +185,44 @@ def _restored(record: ParamRecord, version: int, bumps: int) -> bool:
     return record.param._version - version == record.engine_bumps - bumps and not record.grad_in_param_slot
 
 
+# [Note: a forward that raises]
+# A module's forward may raise and its caller go on (``try: x = self.fast(x) except ...: x = self.slow(x)``). Its
+# chunks were fetched by the pre-hook and stay in use until the forward hook releases them, so that hook is registered
+# with ``always_call=True``: torch then calls it with no output, and the chunks are released as after a forward no
+# backward follows (before, they stayed pinned, and a budget that fits the model refused to make room later). The
+# exception torch's non-reentrant activation checkpointing raises to stop a recomputation early is not an error of the
+# module: its forward hooks see nothing then, as before (the recomputation's own bookkeeping handles it).
+def _even_after_an_error(post: Any) -> Any:
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if output is None:
+            error = sys.exc_info()[1]
+            if error is not None and type(error).__name__ == "_StopRecomputationError":
+                return None
+        return post(module, args, output)
+
+    return hook
+
+
+def _slot_holds_gradient(record: ParamRecord | None, version: int, bumps: int) -> bool:
+    """Whether every change to ``record``'s version counter since a tensor was saved was the engine's and the slot
+    holds the gradient now (mixed precision's chunk reuse): a backward through a retained graph reads it again."""
+    return (
+        record is not None
+        and record.grad_in_param_slot
+        and record.param._version - version == record.engine_bumps - bumps
+    )
+
+
+def _read_after_reuse(record: ParamRecord) -> RuntimeError:
+    return RuntimeError(
+        f"PatrickStar: the weight '{record.names[0]}' saved for backward was read again after its backward ran (a"
+        " second backward through a graph kept with `retain_graph=True`, or `torch.autograd.grad` after it). In mixed"
+        " precision the engine writes each gradient into its weight's compute-dtype slot when the backward is done"
+        " with it (chunk reuse), so that weight is gone until the step. HINT: run one backward per forward (add the"
+        " losses first: `(loss_a + loss_b).backward()`), or train in 32-true, where the gradient has its own chunk."
+    )
+
+
 def _modified_in_place(tensor: torch.Tensor, saved: int, now: int) -> RuntimeError:
     # autograd's own message (it does not check tensors packed by hooks, so this check stands in for it)
     return RuntimeError(
@@ -280,14 +319,16 @@ class ModelHooks:
         the weight from parameters that must be resident, and under ``optimizer_overlap="next_forward"``
         stepped, first); the forward hook runs after the module's own."""
         self._handles.append(module.register_forward_pre_hook(self._eager(pre), prepend=first))
-        self._handles.append(module.register_forward_hook(self._eager(post)))
+        self._handles.append(module.register_forward_hook(self._eager(_even_after_an_error(post)), always_call=True))
 
     # ---- cpu_embedding: the lookup runs on the host, only its output moves ------------------------------
     @staticmethod
     def _host_lookup_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(a.to("cpu") if isinstance(a, torch.Tensor) else a for a in args)
 
-    def _host_lookup_output(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    def _host_lookup_output(self, module: nn.Module, args: Any, output: torch.Tensor | None) -> torch.Tensor | None:
+        if output is None:  # the lookup raised ([Note: a forward that raises])
+            return None
         manager = self.manager
         return output.to(device=manager.device, dtype=manager.compute_dtype)
 
@@ -452,6 +493,9 @@ class ModelHooks:
                 and packed.record is not None
                 and _restored(packed.record, packed.version, packed.bumps)
             ):
+                if isinstance(packed, _SavedParam) and packed.record is not None:
+                    if _slot_holds_gradient(packed.record, packed.version, packed.bumps):
+                        raise _read_after_reuse(packed.record)
                 raise _modified_in_place(tensor, packed.version, tensor._version)
             return tensor
         manager = self.manager
@@ -463,6 +507,8 @@ class ModelHooks:
             now == packed.version + 1 or _restored(record, packed.version, packed.bumps)
         )
         if now != packed.version and not replaced:  # (an optimizer step since: the weights_version check below)
+            if _slot_holds_gradient(record, packed.version, packed.bumps):
+                raise _read_after_reuse(record)
             raise _modified_in_place(record.param, packed.version, now)
         if packed.weights_version != manager.weights_version:
             raise RuntimeError(
