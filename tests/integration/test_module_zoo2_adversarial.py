@@ -967,7 +967,7 @@ def test_threaded_branches_with_the_default_placement_match_plain(tmp_path: Path
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # a race: a run where no fit crashes (about 0.3 % of runs) passes
     raises=AssertionError,
     reason="static budget (chunk_size=300, 3300 bytes; also 6000): two modules run on two threads in one forward: "
     "one thread's eviction frees (storage resize_(0)) the chunk the other is computing with: 'setStorage ... out "
