@@ -266,7 +266,7 @@ class ChunkedOptimizer(Optimizer):
         steps it with a zero gradient, moving it by momentum and weight decay)."""
         self._layout.check()
         for gi, group in enumerate(self.param_groups):  # refused at setup too (_check_options): set since then
-            flags = [k for k in ("amsgrad", "capturable", "differentiable") if group.get(k)]
+            flags = _unsupported_flags(group)
             if flags:
                 raise ValueError(
                     f"PatrickStar: {flags[0]}=True was set in param group {gi} during the run; PatrickStar's fused"
@@ -589,15 +589,20 @@ class ChunkedOptimizer(Optimizer):
         return f"ChunkedOptimizer({type(self._user_optimizer).__name__}, groups={len(self.param_groups)})"
 
 
+def _unsupported_flags(group: dict[str, Any]) -> list[str]:
+    """The options of ``group`` set to True that the fused chunk kernels cannot honour."""
+    return [k for k in ("amsgrad", "capturable", "differentiable") if group.get(k)]
+
+
 def _check_options(optimizer: Optimizer, manager: ChunkManager) -> None:
     """Refuse options the fused chunk kernels cannot honour, and tensors that are not the model's."""
     for gi, group in enumerate(optimizer.param_groups):
-        for key in ("amsgrad", "capturable", "differentiable"):
-            if group.get(key):
-                raise ValueError(
-                    f"{type(optimizer).__name__}({key}=True) in param group {gi} is not supported by"
-                    f" PatrickStar. HINT: set {key}=False."
-                )
+        flags = _unsupported_flags(group)
+        if flags:
+            raise ValueError(
+                f"{type(optimizer).__name__}({flags[0]}=True) in param group {gi} is not supported by"
+                f" PatrickStar. HINT: set {flags[0]}=False."
+            )
         if group.get("foreach") or group.get("fused") is False:
             log.warning(
                 "PatrickStar always uses torch's fused optimizer kernels; the foreach/fused setting of"
