@@ -21,16 +21,16 @@ Stages measured alone, in this process, on the same model (nothing else running,
   chunk to a host buffer; the gradient conversion, fused AdamW on the host and the compute-dtype write-back; the
   copy back), on copies of its chunks, one family after the other, summed over families.
 
-"auto" times a few steps of each schedule after the warm-up and keeps the faster ([Note: choosing the schedule] in
+"auto" times a few steps of each schedule after the warm-up and keeps the fastest ([Note: choosing the schedule] in
 ``optim/overlap.py``): ``--warmup`` must cover those trials (the default does) so that its figure is the kept
 schedule's; the run's ``schedule`` says which it kept.
 
-Targets (issue 27), checked for "pipeline", "auto" and the opt-in "next_forward" (whose step's tail runs during
-the next forward): without clipping the step is at most 1.15x its longest stage (``compute`` =
-forward + backward, ``adam``, ``transfers`` = d2h + h2d); with clipping by norm at most 1.15x (backward + the
-longer of forward and adam), the most an exact schedule can overlap when the norm is known only at the end of the
-backward. "auto" ends the step before ``optimizer.step()`` returns, so it cannot overlap the next forward: where
-host Adam is longer than the backward, or with clipping, only "next_forward" can reach those bounds. Printed as
+Targets (issue 27), checked for "pipeline", "auto" and "next_forward" (whose step's tail runs during the next
+forward; one of "auto"'s candidates at one rank): without clipping the step is at most 1.15x its longest stage
+(``compute`` = forward + backward, ``adam``, ``transfers`` = d2h + h2d); with clipping by norm at most 1.15x
+(backward + the longer of forward and adam), the most an exact schedule can overlap when the norm is known only at
+the end of the backward. Where host Adam is longer than the backward, or with clipping, only a step whose tail
+overlaps the next forward can reach those bounds. Printed as
 a table (with the load average) and written as JSON with ``--json``.
 
 Those bounds assume stages that do not slow each other, as on a GPU (its compute on the device, the copies on DMA
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     parser.add_argument("--steps", type=int, default=38)
     parser.add_argument(
-        "--warmup", type=int, default=24, help="steps not measured (the engine's warm-up, then auto's trials)"
+        "--warmup", type=int, default=32, help="steps not measured (the engine's warm-up, then auto's trials)"
     )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the device's compute")
     parser.add_argument("--clip", type=float, default=1.0, help="the clipping-by-norm value of the clipped runs")
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 25, 23, 8192, 1
+        args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 33, 31, 8192, 1
     torch.set_num_threads(args.threads)
     if args.only:
         overlap, _, clip = args.only.partition(":")

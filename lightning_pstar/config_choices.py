@@ -46,11 +46,11 @@ class OptimizerOverlap(_ValueEnum):
     :mod:`lightning_pstar.runtime.pipeline`). Every schedule gives bitwise the serial step's weights."""
 
     AUTO = "auto"
-    """The faster of "pipeline" and "off" for this run, measured: after the warm-up and 8 more steps of "pipeline"
-    (a short run keeps that one schedule), a few optimizer steps of each run, alternating, and the one with the
-    lower median time per step is kept ([Note: choosing the schedule] in :mod:`lightning_pstar.optim.overlap`; the
-    choice is in the memory report). On a GPU that is the pipeline; where
-    the device's compute shares the host's cores (a CPU) it may be the serial step."""
+    """The fastest of "pipeline", "off" and (one rank, no compiled module) "next_forward" for this run, measured:
+    after the warm-up and 8 more steps of "pipeline" (a short run keeps that one schedule), a few optimizer steps of
+    each run, in turn, and the one with the lowest median time per step is kept ([Note: choosing the schedule] in
+    :mod:`lightning_pstar.optim.overlap`; the choice is in the memory report). On a GPU that is a pipelined one;
+    where the device's compute shares the host's cores (a CPU) it may be the serial step."""
     PIPELINE = "pipeline"
     """Gradient copies, host Adam and parameter copies of different families run at once on worker threads, and
     where nothing can read or change gradients between the backward and the step (Trainer, automatic
@@ -61,12 +61,13 @@ class OptimizerOverlap(_ValueEnum):
     """The serial step: each family's gradients go to the host, Adam runs, the parameters come back, family
     after family, on the calling thread."""
     NEXT_FORWARD = "next_forward"
-    """Opt-in: "pipeline", and ``optimizer.step()`` returns while the last families still step; the next forward
-    runs meanwhile, each module waiting only for its own families. Every reader the engine sees (a module's
-    forward, state dicts, checkpoints, evaluation, zero_grad, teardown) waits, but a weight read outside its own
-    module's forward (in ``training_step``, a callback, a parent module's forward) before that module runs is
-    not seen: until its family's step is done such a read raises an error that says so, instead of reading a
-    half-updated weight. One rank, no compiled modules (elsewhere it runs as "pipeline")."""
+    """"pipeline", and ``optimizer.step()`` returns while the last families still step; the next forward runs
+    meanwhile, each module waiting only for its own families. Every reader the engine sees (a module's forward,
+    state dicts, checkpoints, evaluation, zero_grad, teardown) waits for all of them; a weight read outside its own
+    module's forward on the training loop's thread (in ``training_step``, a callback, a parent module's forward)
+    waits for its family's step first ([Note: a read that waits] in :mod:`lightning_pstar.runtime.parked`); a read
+    from another thread raises an error that says so, instead of reading a half-updated weight. One rank, no
+    compiled modules (elsewhere it runs as "pipeline")."""
     auto = "auto"  # alias, see [Note: enums in OmegaConf]
     pipeline = "pipeline"  # alias
     off = "off"  # alias

@@ -207,9 +207,9 @@ class PlacementConfig:
     (every family, ZeRO-Offload style) or "device" (every family; refused at setup where it does not fit); see
     :class:`OptimizerPlacement`."""
     optimizer_overlap: OptimizerOverlap = OptimizerOverlap.AUTO
-    """How a host-side step overlaps its transfers and the backward: "auto" (the faster of "pipeline" and "off",
-    measured after the warm-up), "pipeline" (the pipelined step, inside the backward where exact), "next_forward"
-    (opt-in: the step's tail also overlaps the next forward) or "off" (the serial step); see
+    """How a host-side step overlaps its transfers and the backward: "auto" (the fastest of "pipeline", "off" and
+    "next_forward", measured after the warm-up), "pipeline" (the pipelined step, inside the backward where exact),
+    "next_forward" (the step's tail also overlaps the next forward) or "off" (the serial step); see
     :class:`OptimizerOverlap`."""
 
     def __post_init__(self) -> None:

@@ -99,7 +99,9 @@ class MemoryReport:
     host_copy_bytes: int = 0  # host copies of device-resident chunks, kept for clean evictions
     # the host-side optimizer step ([Note: the step pipeline] in runtime/pipeline.py)
     optimizer_overlap: str = "auto"  # the schedule asked for: "auto", "pipeline", "next_forward" or "off"
-    optimizer_schedule: str | None = None  # what runs: "pipeline" or "serial"; None while "auto" times both
+    optimizer_schedule: str | None = (
+        None  # what runs: "pipeline", "serial" or "next_forward"; None while "auto" times them
+    )
     schedule_trial_ms: dict[str, float] = field(default_factory=dict)  # "auto": median ms per step of each
     host_step_jobs: int = 0  # family steps that ran through the pipeline
     host_steps_in_backward: int = 0  # ... of which started during the backward

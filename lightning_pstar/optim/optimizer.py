@@ -250,7 +250,7 @@ class ChunkedOptimizer(Optimizer):
             except BaseException:
                 manager.finish_steps()
                 raise
-            if self.overlap.tail:
+            if self.overlap.schedule.tail:
                 self.overlap.leave_in_flight()
             else:
                 manager.finish_steps()  # the jobs in flight end before anything else runs

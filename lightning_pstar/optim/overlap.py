@@ -70,17 +70,23 @@ Every schedule of the host-side step gives the same bits, so which one runs is a
 answer depends on the machine. On a GPU the pipeline hides host Adam and the transfers behind the device's compute.
 Where the "device" shares the host's cores and memory bandwidth (the simulated device of a CPU machine, or a host
 whose cores are busy with data loading), the pipeline's workers slow the very compute they overlap, and the serial
-step can be the faster (docs/performance.md has this machine's figures). So ``optimizer_overlap="auto"`` measures
-instead of guessing: once the warm-up is over and ``SETTLE_STEPS`` more steps have run pipelined (a short run never
-leaves them, so its figures are one schedule's), it runs the two schedules in pairs of steps, alternating and the
-pipelined one first, times the second step of each pair from the end of one ``optimizer.step()`` to the end of the
-next (forward, backward and step: a step inside the backward changes the backward's time too), and after ``TRIALS``
-timed steps of each keeps the schedule with the lower median for the rest of the run. Only the second step of a pair
-is timed because a step pays for the one before it: after a serial step the param chunks are on the host (the update
-ran there) and the next forward fetches them, while after a pipelined step they are on the device already. At
-several ranks the medians are max-reduced first, so every rank keeps the same schedule. A step without host-side
-families (the hybrid plan put every family on the device) is not a trial: nothing differs between the schedules
-there. The choice and the medians are in the memory report (``optimizer_schedule``, ``schedule_trial_ms``).
+step can be the faster (docs/performance.md has this machine's figures); and leaving the tail in flight
+(``"next_forward"``) pays only where the next forward's first modules do not need the families that step last. So
+``optimizer_overlap="auto"`` measures instead of guessing: once the warm-up is over and ``SETTLE_STEPS`` more steps
+have run pipelined (a short run never leaves them, so its figures are one schedule's), it runs its candidates in
+pairs of steps, in turn: the pipeline, the serial step and, where the tail can be left in flight (one rank, no
+compiled module), the pipeline with its tail in flight. It times the second step of each pair from the end of one
+``optimizer.step()`` to the end of the next (forward, backward and step: a step inside the backward changes the
+backward's time, a tail left in flight the next forward's), and after ``TRIALS`` timed steps of each keeps the
+candidate with the lowest median for the rest of the run. Only the second step of a pair is timed because a step
+pays for the one before it: after a serial step the param chunks are on the host (the update ran there) and the
+next forward fetches them, while after a pipelined step they are on the device already, and a tail left in flight
+is waited for by the next forward. A read of a parked weight outside the engine's hooks waits for its family
+([Note: a read that waits] in runtime/parked.py), so the tail is as exact as the others wherever user code reads
+weights on the training loop's thread. At several ranks the medians are max-reduced first, so every rank keeps the
+same schedule. A step without host-side families (the hybrid plan put every family on the device) is not a trial:
+nothing differs between the schedules there. The choice and the medians are in the memory report
+(``optimizer_schedule``, ``schedule_trial_ms``).
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ from lightning_pstar.runtime.hooks import holds_compiled_code
 from lightning_pstar.runtime.new_storage import moved
 from lightning_pstar.runtime.parked import park, unpark
 from lightning_pstar.runtime.state import Tier
+from lightning_pstar.runtime.steps_in_flight import wait_for_families
 
 if TYPE_CHECKING:
     from lightning_pstar.runtime.manager import ChunkManager
@@ -124,12 +131,13 @@ class _Stepper(Protocol):
     def _host_job(self, family: ChunkFamily, coef: float) -> HostJob | None: ...
 
 
-__all__ = ["PIPELINE", "SERIAL", "SETTLE_STEPS", "TRIALS", "ScheduleChooser", "StepOverlap"]
+__all__ = ["PIPELINE", "SERIAL", "SETTLE_STEPS", "TAIL", "TRIALS", "ScheduleChooser", "StepOverlap"]
 
 log = logging.getLogger(__name__)
 
 PIPELINE = "pipeline"
 SERIAL = "serial"
+TAIL = "next_forward"  # the pipeline, its tail left in flight for the next forward
 TRIALS = 3
 SETTLE_STEPS = 8
 """Optimizer steps after the warm-up that ``optimizer_overlap="auto"`` runs pipelined before it times anything:
@@ -142,13 +150,15 @@ untimed step of the same schedule)."""
 class ScheduleChooser:
     """The schedule of the coming optimizer step ([Note: choosing the schedule]).
 
-    ``mode``: the ``optimizer_overlap`` asked for; ``agree``: max-reduces a list of medians over ranks (identity
-    at one rank); ``clock``: seconds (tests pass their own)."""
+    ``mode``: the ``optimizer_overlap`` asked for; ``tail``: whether the step may leave its tail in flight
+    (``"next_forward"``: one rank, no compiled module), a third candidate of ``"auto"``; ``agree``: max-reduces a
+    list of medians over ranks (identity at one rank); ``clock``: seconds (tests pass their own)."""
 
     def __init__(
         self,
         mode: OptimizerOverlap,
         *,
+        tail: bool = False,
         agree: Any = None,
         clock: Any = perf_counter,
         trials: int = TRIALS,
@@ -160,24 +170,33 @@ class ScheduleChooser:
         self._trials = trials
         self._last: float | None = None  # the end of the last timed optimizer step
         self._settle = settle  # steps after the warm-up not timed (and pipelined): SETTLE_STEPS
-        self._times: dict[str, list[float]] = {PIPELINE: [], SERIAL: []}
-        self._trial_steps = 0  # steps run in pairs of one schedule: P P S S P P ...; the second of a pair is timed
+        # the schedules "auto" times, in the order their pairs of steps run: P P S S [N N] P P ...
+        self.candidates = [PIPELINE, SERIAL, *([TAIL] if tail else [])]
+        self._times: dict[str, list[float]] = {name: [] for name in self.candidates}
+        self._trial_steps = 0  # steps run in pairs of one schedule; the second of a pair is timed
         self.chosen: str | None = None
         if mode is OptimizerOverlap.OFF:
             self.chosen = SERIAL
+        elif mode is OptimizerOverlap.NEXT_FORWARD:
+            self.chosen = TAIL if tail else PIPELINE
         elif mode is not OptimizerOverlap.AUTO:
             self.chosen = PIPELINE
 
     @property
     def pipelined(self) -> bool:
-        """Whether the coming optimizer step runs the pipelined schedule."""
-        return self.current == PIPELINE
+        """Whether the coming optimizer step runs a pipelined schedule (with or without its tail in flight)."""
+        return self.current != SERIAL
+
+    @property
+    def tail(self) -> bool:
+        """Whether the coming optimizer step returns with its tail in flight (``"next_forward"``)."""
+        return self.current == TAIL
 
     @property
     def current(self) -> str:
         if self.chosen is not None:
             return self.chosen
-        return PIPELINE if (self._trial_steps // 2) % 2 == 0 else SERIAL
+        return self.candidates[(self._trial_steps // 2) % len(self.candidates)]
 
     @property
     def trial_ms(self) -> dict[str, float]:
@@ -203,14 +222,13 @@ class ScheduleChooser:
             self._decide()
 
     def _decide(self) -> None:
-        pipe, serial = self._agree([statistics.median(self._times[PIPELINE]), statistics.median(self._times[SERIAL])])
-        self.chosen = PIPELINE if pipe <= serial else SERIAL
+        medians = self._agree([statistics.median(self._times[name]) for name in self.candidates])
+        best = min(range(len(medians)), key=lambda i: medians[i])  # the first of equals: pipeline before the others
+        self.chosen = self.candidates[best]
         log.debug(
-            "PatrickStar: optimizer_overlap='auto' keeps the %s step (median %.1f ms per step pipelined, %.1f ms"
-            " serial).",
+            "PatrickStar: optimizer_overlap='auto' keeps the %s step (median ms per step: %s).",
             self.chosen,
-            1e3 * pipe,
-            1e3 * serial,
+            ", ".join(f"{name} {1e3 * m:.1f}" for name, m in zip(self.candidates, medians, strict=True)),
         )
 
 
@@ -229,9 +247,9 @@ class StepOverlap:
                 return values
             return comm.all_reduce_max_(torch.tensor(values, dtype=torch.float64)).tolist()
 
-        self.schedule = ScheduleChooser(mode, agree=agree)
-        # optimizer_overlap="next_forward": the step's last families go on stepping after step() returns
-        self.tail = mode is OptimizerOverlap.NEXT_FORWARD and _tail_possible(manager)
+        # "next_forward", or a candidate of "auto": the step's last families go on stepping after step() returns
+        tail = mode in (OptimizerOverlap.NEXT_FORWARD, OptimizerOverlap.AUTO) and _tail_possible(manager, mode)
+        self.schedule = ScheduleChooser(mode, tail=tail, agree=agree)
         self._groups: list[dict[str, Any]] | None = None  # the snapshot jobs of the coming step share
         self._norms: dict[int, Future[torch.Tensor]] = {}  # family id -> its gradient norms, computed in the backward
 
@@ -352,10 +370,11 @@ class StepOverlap:
 
     # ---- the tail left in flight ("next_forward") ------------------------------------------------------------
     def leave_in_flight(self) -> None:
-        """``optimizer_overlap="next_forward"``: return while jobs are in flight. Their parameters are parked until
-        the job is done ([Note: parked parameters] in ``runtime/parked.py``: a read outside the engine fails loudly
-        instead of reading a half-updated weight); each job then points them back at their slots and forgets its
-        family's gradients, as ``zero_grad`` does for the families already done."""
+        """The tail schedule (``"next_forward"``): return while jobs are in flight. Their parameters are parked until
+        the job is done ([Note: parked parameters] in ``runtime/parked.py``: a read outside the engine's hooks on the
+        training loop's thread finishes the job first, elsewhere it fails loudly; never a half-updated weight); each
+        job then points them back at their slots and forgets its family's gradients, as ``zero_grad`` does for the
+        families already done."""
         manager = self._manager
         manager.grads.on_final = None
         manager.grads.stepped.clear()
@@ -365,7 +384,11 @@ class StepOverlap:
             assert job is not None
             family = manager.families[fid]
             params = [record.param for record in family.records]
-            park(params, [record.names[0] for record in family.records])
+            park(
+                params,
+                [record.names[0] for record in family.records],
+                wait=functools.partial(wait_for_families, manager, family.records),
+            )
             job.before.append(functools.partial(_unpark_all, params))
             ours = [r for r in family.records if r.index in own]
             job.after.append(functools.partial(_settle_in_flight, manager, family, ours))
@@ -376,16 +399,17 @@ class StepOverlap:
         manager.tailing = manager.pipeline.busy
 
 
-def _tail_possible(manager: ChunkManager) -> bool:
-    """Whether ``optimizer_overlap="next_forward"`` can run as asked: one rank (several ranks gather owned chunks
-    as send buffers at any point of the next forward) and no compiled module (dynamo guards on the parameters at
-    the call, before a module's hook can wait); elsewhere it runs as "pipeline", said once here."""
+def _tail_possible(manager: ChunkManager, mode: OptimizerOverlap) -> bool:
+    """Whether the step may leave its tail in flight: one rank (several ranks gather owned chunks as send buffers
+    at any point of the next forward) and no compiled module (dynamo guards on the parameters at the call, before a
+    module's hook can wait). Elsewhere ``"next_forward"`` runs as "pipeline", said once here, and ``"auto"`` does
+    not time it."""
     why = ""
     if manager.sharding.distributed:
         why = "several ranks"
     elif holds_compiled_code(manager.module):
         why = "a compiled module"
-    if why:
+    if why and mode is OptimizerOverlap.NEXT_FORWARD:
         log.warning("PatrickStar: optimizer_overlap='next_forward' runs as 'pipeline' with %s.", why)
     return not why
 

@@ -6,7 +6,8 @@ Used by the step pipeline (``optimizer_overlap="next_forward"``) and the disk ti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -23,6 +24,16 @@ __all__ = ["TENSOR_METADATA", "ParkedParameterError", "is_parked", "park", "unpa
 # operation that reads values (metadata such as shape, dtype or device stays readable), with an error naming the
 # operation and what to do; the job's end restores the class before anything else touches the parameter. torch
 # swaps a parameter's class the same way when it materialises an ``UninitializedParameter``.
+#
+# [Note: a read that waits]
+# A parameter parked by the step pipeline has a way out: its family's job. ``park(..., wait=...)`` registers it,
+# and a value read on the thread that parked it (the one that runs the training loop: user code in a batch-end
+# hook, in ``training_step``, a parent module using a child's weight, Fabric code between steps) first finishes
+# that job through the engine, which restores the parameter's class and points it at its updated weight, then
+# runs the operation as asked: the read sees the step's result, exactly as after a step that ended before
+# ``optimizer.step()`` returned. Only that thread may finish a job: the bookkeeping after it moves the engine's
+# residency, which the training loop's thread owns, so a read from any other thread (a user's thread, a host lane)
+# is still refused. A parameter parked without a way out (a master on the disk tier) is refused as before.
 # what a tensor says about itself without reading a value: also the stand-in gradients' allowed reads
 # ([Note: gradients user code cannot see] in runtime/grad_guard.py)
 TENSOR_METADATA = frozenset(
@@ -55,6 +66,8 @@ _METADATA = TENSOR_METADATA | {
 }
 _PARKED: dict[type, type] = {}
 _NAMES: dict[int, str] = {}  # id of a parked parameter -> its name in the model, for the refusal's message
+# id of a parked parameter -> (what ends its parking, the thread that may call it): [Note: a read that waits]
+_WAITS: dict[int, tuple[Callable[[], None], int]] = {}
 
 
 class ParkedParameterError(RuntimeError):
@@ -69,49 +82,103 @@ def _parked_class(cls: type) -> type:
             if func in _METADATA:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
-            _refuse(getattr(func, "__qualname__", getattr(func, "__name__", repr(func))), _parked_in(args, kwargs))
+            name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+            param = _parked_in(args, kwargs)
+            if param is not None and _wait_for(param):  # [Note: a read that waits]
+                return func(*args, **(kwargs or {}))  # dispatched again: another parked argument waits in turn
+            _refuse(name, _NAMES.get(id(param)) if param is not None else None, other_thread=id(param) in _WAITS)
 
-        def as_subclass(self: torch.Tensor, cls: type) -> Any:  # torch does not route it through the above
-            _refuse("Tensor.as_subclass", _NAMES.get(id(self)))
+        def waiting(name: str) -> Any:
+            """``name`` of the parameter's own class once its parking ended: methods torch does not route through
+            ``__torch_function__`` (``as_subclass``) or that would copy the parked class itself (``__deepcopy__``
+            and ``__reduce_ex__`` build ``type(self)(...)``: a copy that refuses every read forever)."""
 
-        parked = type(
-            f"Parked{cls.__name__}",
-            (cls,),
-            {"__torch_function__": classmethod(__torch_function__), "as_subclass": as_subclass},
-        )
+            def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                if _wait_for(self):
+                    return getattr(self, name)(*args, **kwargs)
+                _refuse(f"Tensor.{name}", _NAMES.get(id(self)), other_thread=id(self) in _WAITS)
+
+            return method
+
+        waits = {name: waiting(name) for name in ("as_subclass", "__deepcopy__", "__reduce_ex__")}
+        parked = type(f"Parked{cls.__name__}", (cls,), {"__torch_function__": classmethod(__torch_function__), **waits})
         _PARKED[cls] = parked
         _PARKED_CLASSES.add(parked)
     return parked
 
 
-def _parked_in(args: Any, kwargs: Any) -> str | None:
-    """The name of the first parked parameter among an operation's arguments (one level into lists and tuples)."""
+def _parked_in(args: Any, kwargs: Any) -> torch.Tensor | None:
+    """The first parked parameter among an operation's arguments (one level into lists and tuples)."""
     for value in (*args, *(kwargs or {}).values()):
         for item in value if isinstance(value, list | tuple) else (value,):
             if type(item) in _PARKED_CLASSES and id(item) in _NAMES:
-                return _NAMES[id(item)]
+                return item
     return None
 
 
-def _refuse(name: str, param: str | None) -> NoReturn:
+def _wait_for(param: torch.Tensor) -> bool:
+    """End ``param``'s parking by finishing what keeps it parked, where this thread may ([Note: a read that
+    waits]); whether it is unparked now."""
+    wait = _WAITS.get(id(param))
+    if wait is None or wait[1] != threading.get_ident():
+        return False
+    wait[0]()
+    return type(param) not in _PARKED_CLASSES
+
+
+def _refuse(name: str, param: str | None, *, other_thread: bool = False) -> NoReturn:
     what = f"parameter '{param}'" if param is not None else "a parameter"
+    if other_thread:
+        raise ParkedParameterError(
+            f"PatrickStar: {what} was read ({name}) from another thread than the training loop's while its"
+            " optimizer step was still running after optimizer.step() returned (optimizer_overlap"
+            " 'next_forward', or 'auto' keeping that schedule): only the training loop's thread may wait for"
+            " the step. HINT: read weights from other threads only while the training loop waits for them, or"
+            " set optimizer_overlap='pipeline' (the step then ends before optimizer.step() returns)."
+        )
     raise ParkedParameterError(
-        f"PatrickStar: {what} was read ({name}) while its weight is not in memory: its optimizer step"
-        " was still running after optimizer.step() returned (optimizer_overlap='next_forward'), outside its"
-        " own module's forward, which is where the engine waits for it; or its gradient holds its slot and"
-        " its fp32 master is on the disk tier until the step (memory.disk_path). HINT: read weights inside"
-        " their module's forward or after the optimizer step, or set optimizer_overlap='auto' (the step then"
-        " ends before optimizer.step() returns)."
+        f"PatrickStar: {what} was read ({name}) while its weight is not in memory: its gradient holds its"
+        " slot and its fp32 master is on the disk tier until the step (memory.disk_path), or an operation"
+        " read it where the engine cannot tell which parameter it is (nested deeper than a list argument)"
+        " while its optimizer step was still running after optimizer.step() returned (optimizer_overlap"
+        " 'next_forward'). HINT: read weights after the optimizer step, or set optimizer_overlap='pipeline'"
+        " (the step then ends before optimizer.step() returns)."
     )
 
 
-def park(params: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
+# [Note: a subclass made of a parked parameter]
+# ``torch.Tensor._make_subclass(cls, data)`` (what ``nn.Parameter(p)`` calls) is a static method of the C base
+# class that reads ``data``'s storage without ``__torch_function__``: made of a parked parameter, the new tensor
+# would hold its gradient or half-copied bytes, silently. The first ``park`` therefore puts a checking wrapper on
+# ``torch.Tensor`` (shadowing the base's method): it waits for, or refuses, a parked ``data`` as any read does and
+# hands every other call to torch's own method unchanged.
+_MAKE_SUBCLASS = torch._C.TensorBase._make_subclass
+
+
+def _make_subclass(cls: type, data: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if type(data) in _PARKED_CLASSES and not _wait_for(data):
+        _refuse("Tensor._make_subclass", _NAMES.get(id(data)), other_thread=id(data) in _WAITS)
+    return _MAKE_SUBCLASS(cls, data, *args, **kwargs)
+
+
+def _guard_make_subclass() -> None:
+    if torch.Tensor.__dict__.get("_make_subclass") is None:
+        torch.Tensor._make_subclass = staticmethod(_make_subclass)  # type: ignore[method-assign]
+
+
+def park(
+    params: Sequence[torch.Tensor], names: Sequence[str] | None = None, *, wait: Callable[[], None] | None = None
+) -> None:
     """Make every value-reading operation on ``params`` raise until :func:`unpark` ([Note: parked parameters]);
-    ``names``: theirs in the model, for the refusal's message."""
+    ``names``: theirs in the model, for the refusal's message; ``wait``: what unparks them, which a read on this
+    thread calls first instead of raising ([Note: a read that waits])."""
+    _guard_make_subclass()
     for i, param in enumerate(params):
         param.__class__ = _parked_class(type(param))
         if names is not None:
             _NAMES[id(param)] = names[i]
+        if wait is not None:
+            _WAITS[id(param)] = (wait, threading.get_ident())
 
 
 def unpark(param: torch.Tensor) -> None:
@@ -120,6 +187,7 @@ def unpark(param: torch.Tensor) -> None:
     if cls in _PARKED.values():
         param.__class__ = cls.__bases__[0]
         _NAMES.pop(id(param), None)
+        _WAITS.pop(id(param), None)
 
 
 def is_parked(param: torch.Tensor) -> bool:

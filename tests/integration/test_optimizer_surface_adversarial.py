@@ -31,7 +31,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn
 
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarStrategy
-from lightning_pstar.runtime.parked import ParkedParameterError
 from tests.helpers import assert_states_close, assert_states_equal
 from tests.helpers.data import make_loader
 from tests.helpers.fabric_loop import batches
@@ -810,13 +809,12 @@ def test_swa_utils_averaged_model_in_a_callback() -> None:
         emas.append(EmaCallback())
         return (emas[-1],)
 
-    check(lambda: OptLM(SCHEDULES["swalr"]), configs=("off", "auto", "device"), callbacks=callbacks)
+    # under next_forward the EMA reads weights whose step still runs: each read waits for its family ([Note: a read
+    # that waits] in runtime/parked.py)
+    check(lambda: OptLM(SCHEDULES["swalr"]), configs=("off", "auto", "next_forward", "device"), callbacks=callbacks)
     ref_avg = emas[0].avg.state_dict()
     for ema in emas[1:]:
         assert_states_close(ema.avg.state_dict(), ref_avg, what="EMA", rtol=0, atol=EXACT)
-    # under next_forward a weight read outside its module's forward while its step runs raises (documented)
-    got = outcome(lambda: run(OptLM(SCHEDULES["swalr"]), "next_forward", callbacks=(EmaCallback(),)))
-    assert isinstance(got, str) and got.startswith(ParkedParameterError.__name__) and "next_forward" in got, got
 
 
 def test_stochastic_weight_averaging_callback() -> None:

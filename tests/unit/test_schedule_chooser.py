@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_pstar.config import OptimizerOverlap
-from lightning_pstar.optim.overlap import PIPELINE, SERIAL, SETTLE_STEPS, TRIALS, ScheduleChooser
+from lightning_pstar.optim.overlap import PIPELINE, SERIAL, SETTLE_STEPS, TAIL, TRIALS, ScheduleChooser
 
 
 class Clock:
@@ -79,14 +79,55 @@ def test_ranks_agree_on_the_slowest_rank_s_medians() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "schedule"),
-    [(OptimizerOverlap.OFF, SERIAL), (OptimizerOverlap.PIPELINE, PIPELINE), (OptimizerOverlap.NEXT_FORWARD, PIPELINE)],
+    ("mode", "tail", "schedule"),
+    [
+        (OptimizerOverlap.OFF, True, SERIAL),
+        (OptimizerOverlap.PIPELINE, True, PIPELINE),
+        (OptimizerOverlap.NEXT_FORWARD, True, TAIL),
+        (OptimizerOverlap.NEXT_FORWARD, False, PIPELINE),  # several ranks, a compiled module: it runs as "pipeline"
+    ],
 )
-def test_fixed_modes_never_time(mode: OptimizerOverlap, schedule: str) -> None:
+def test_fixed_modes_never_time(mode: OptimizerOverlap, tail: bool, schedule: str) -> None:
     clock = Clock()
-    chooser = ScheduleChooser(mode, clock=clock)
-    assert _run(chooser, clock, {PIPELINE: 1.0, SERIAL: 2.0}, 12) == [schedule] * 12
+    chooser = ScheduleChooser(mode, tail=tail, clock=clock)
+    assert _run(chooser, clock, {PIPELINE: 1.0, SERIAL: 2.0, TAIL: 0.5}, 12) == [schedule] * 12
     assert chooser.trial_ms == {} and chooser.chosen == schedule
+    assert chooser.tail is (schedule == TAIL) and chooser.pipelined is (schedule != SERIAL)
+
+
+@pytest.mark.parametrize(
+    ("cost", "kept"),
+    [
+        ({PIPELINE: 0.05, SERIAL: 0.08, TAIL: 0.04}, TAIL),
+        ({PIPELINE: 0.05, SERIAL: 0.08, TAIL: 0.06}, PIPELINE),
+        ({PIPELINE: 0.09, SERIAL: 0.06, TAIL: 0.07}, SERIAL),
+        ({PIPELINE: 0.05, SERIAL: 0.05, TAIL: 0.05}, PIPELINE),  # a tie keeps the pipeline
+    ],
+)
+def test_auto_with_the_tail_times_three_in_turn(cost: dict[str, float], kept: str) -> None:
+    """Where the tail may be left in flight (one rank, no compiled module) "auto" times it as a third candidate."""
+    clock = Clock()
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, tail=True, clock=clock, trials=2, settle=1)
+    assert chooser.candidates == [PIPELINE, SERIAL, TAIL]
+    ran = _run(chooser, clock, cost, 2 + 12 + 2)
+    assert ran == [PIPELINE] * 2 + [PIPELINE, PIPELINE, SERIAL, SERIAL, TAIL, TAIL] * 2 + [kept] * 2
+    assert chooser.chosen == kept and chooser.tail is (kept == TAIL)
+    assert chooser.trial_ms == pytest.approx({name: 1e3 * seconds for name, seconds in cost.items()})
+
+
+def test_ranks_agree_on_three_medians() -> None:
+    """Every rank reduces the same list, in the candidates' order, so they keep the same schedule."""
+    seen = []
+
+    def agree(values: list[float]) -> list[float]:
+        seen.append(list(values))
+        return [values[0], values[1], values[2] + 1.0]  # another rank's tail took a second longer
+
+    clock = Clock()
+    chooser = ScheduleChooser(OptimizerOverlap.AUTO, tail=True, clock=clock, agree=agree, trials=1, settle=1)
+    _run(chooser, clock, {PIPELINE: 0.2, SERIAL: 0.3, TAIL: 0.1}, 2 + 6)
+    assert seen == [[pytest.approx(0.2), pytest.approx(0.3), pytest.approx(0.1)]]
+    assert chooser.chosen == PIPELINE
 
 
 def test_the_default_settles_before_timing() -> None:
