@@ -320,9 +320,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--chunk-size", type=int, default=2**22, help="elements per chunk")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
-    parser.add_argument("--steps", type=int, default=38)
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument(
-        "--warmup", type=int, default=32, help="steps not measured (the engine's warm-up, then auto's trials)"
+        "--warmup", type=int, default=44, help="steps not measured (the engine's warm-up, then auto's trials)"
     )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of the device's compute")
     parser.add_argument("--clip", type=float, default=1.0, help="the clipping-by-norm value of the clipped runs")
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 33, 31, 8192, 1
+        args.n_layer, args.n_embd, args.steps, args.warmup, args.chunk_size, args.probe_repeats = 2, 64, 45, 43, 8192, 1
     torch.set_num_threads(args.threads)
     if args.only:
         overlap, _, clip = args.only.partition(":")

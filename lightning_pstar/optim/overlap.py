@@ -138,7 +138,7 @@ log = logging.getLogger(__name__)
 PIPELINE = "pipeline"
 SERIAL = "serial"
 TAIL = "next_forward"  # the pipeline, its tail left in flight for the next forward
-TRIALS = 3
+TRIALS = 5
 SETTLE_STEPS = 8
 """Optimizer steps after the warm-up that ``optimizer_overlap="auto"`` runs pipelined before it times anything:
 placement and allocators settle, and a short run (a smoke test, a unit test) keeps one schedule throughout, so its

@@ -159,7 +159,7 @@ class CapacityPlan:
     def _step_row(self) -> str:
         where = "starts on the host" if self.optimizer_on_host else "on the device"
         overlap = {
-            "auto": "pipelined, then the faster of the pipelined and the serial step, timed from the 10th step",
+            "auto": "pipelined, then the fastest of pipelined, serial and tail (one rank) steps, timed from step 10",
             "pipeline": "pipelined (copies and host Adam at once; inside the backward where exact)",
             "next_forward": "pipelined, its tail during the next forward",
             "off": "serial",
