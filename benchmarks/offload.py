@@ -1,5 +1,5 @@
-"""An offloaded optimizer step against its stages: the serial step ("off"), the pipeline ("pipeline"), the measured
-choice between them ("auto") and the opt-in "next_forward".
+"""An offloaded optimizer step against its stages: the serial step ("off"), the pipeline ("pipeline"), the pipeline
+with its tail in the next forward ("next_forward") and the measured choice among them ("auto").
 
     python benchmarks/offload.py --json /tmp/offload.json                        # compute-heavy: 32 tokens per step
     python benchmarks/offload.py --n-embd 512 --block 8 --json /tmp/adam.json    # host-Adam-heavy, as on a GPU
