@@ -288,10 +288,10 @@ class ChunkManager:
         if self.residency.kept_values:  # [Note: parameters given new storage]
             adopt_new_storage(self, records)
         else:
-            for record in records:  # the quick test per parameter: its address
-                if record.param.data_ptr() != record.pointed:
-                    adopt_new_storage(self, records)
-                    break
+            with torch._C.DisableTorchFunctionSubclass():  # the quick test per parameter: its address (no wait)
+                moved_any = any(record.param.data_ptr() != record.pointed for record in records)
+            if moved_any:
+                adopt_new_storage(self, records)
         if self.mixed and not self.sharding.distributed:  # [Note: writes outside a forward]
             check_outside_writes(records, disk=self.disk, in_flight=self.pipeline.in_flight)
         self.access(records, _COMPUTE, moment, module=index)

@@ -53,8 +53,11 @@ def moved(record: ParamRecord) -> bool:
     """Whether ``record``'s parameter may not be where the engine last pointed it (the quick test, per parameter:
     its address, and whether it is contiguous as the engine's view was: a transposed view of its own slot keeps the
     address)."""
+    if record.pointed < 0:
+        return False
     param = record.param
-    return record.pointed >= 0 and (param.data_ptr() != record.pointed or param.is_contiguous() == record.strided)
+    with torch._C.DisableTorchFunctionSubclass():  # the engine's own look: never a wait ([Note: a read that waits])
+        return param.data_ptr() != record.pointed or param.is_contiguous() == record.strided
 
 
 def _users_value(residency: Residency, record: ParamRecord) -> torch.Tensor | None:

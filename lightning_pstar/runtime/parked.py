@@ -64,6 +64,13 @@ _METADATA = TENSOR_METADATA | {
     torch.Tensor.is_contiguous,
     torch.Tensor.data_ptr,
 }
+# [Note: the address of a parked parameter]
+# ``data_ptr()`` is metadata to the engine, but a kernel that takes a tensor by its address (a Triton kernel, a C++
+# extension) reads the bytes behind it without any operation torch could route here. So on the thread that may wait
+# ([Note: a read that waits]) it waits for the parameter's step first, then answers; elsewhere, and for a parameter
+# parked without a way out, it answers as metadata. The engine's own address checks (``new_storage.moved``, the
+# quick test in ``ChunkManager.pre_forward``) read it with ``__torch_function__`` disabled, so they never wait.
+_ADDRESS = torch.Tensor.data_ptr
 _PARKED: dict[type, type] = {}
 _NAMES: dict[int, str] = {}  # id of a parked parameter -> its name in the model, for the refusal's message
 # id of a parked parameter -> (what ends its parking, the thread that may call it): [Note: a read that waits]
@@ -80,6 +87,10 @@ def _parked_class(cls: type) -> type:
 
         def __torch_function__(klass: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if func in _METADATA:
+                if func is _ADDRESS:  # [Note: the address of a parked parameter]
+                    param = _parked_in(args, kwargs)
+                    if param is not None:
+                        _wait_for(param)
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
             name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))

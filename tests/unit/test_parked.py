@@ -154,3 +154,23 @@ def test_a_parameter_made_of_a_parked_one_raises() -> None:
             nn.Parameter(layer.weight)
     finally:
         unpark(layer.weight)
+
+
+def test_the_address_waits_on_the_parking_thread() -> None:
+    """``data_ptr()`` is how a Triton kernel or a C++ extension takes a tensor: on the thread that may wait it waits
+    for the step first ([Note: the address of a parked parameter]); without a way out it stays metadata."""
+    layer = nn.Linear(3, 2)
+    step = _Step(layer.weight, torch.ones_like(layer.weight))
+    park([layer.weight], ["weight"], wait=step)
+    try:
+        address = layer.weight.data_ptr()
+        assert step.calls == 1 and not is_parked(layer.weight)
+        assert address == _raw(layer.weight).data_ptr() and torch.equal(layer.weight.detach(), torch.ones(2, 3))
+    finally:
+        unpark(layer.weight)
+    other = nn.Linear(3, 2)
+    park([other.weight], ["other.weight"])  # a master on the disk tier: the address is metadata
+    try:
+        assert other.weight.data_ptr() == _raw(other.weight).data_ptr() and is_parked(other.weight)
+    finally:
+        unpark(other.weight)
