@@ -37,11 +37,18 @@ Those bounds assume stages that do not slow each other, as on a GPU (its compute
 engines, Adam on the host). On a CPU every stage streams through the same memory: ``copy_bandwidth`` measures
 what one thread and two threads copying at once move per second, and each target row also gives the serial step
 over that ratio (``bandwidth_floor_ms``), the fastest any overlap of memory-bound stages can be here.
+
+``beside`` measures that floor directly: three more runs whose optimizer steps on the device, each with one
+optimizer step's host work (every family's stages, on copies) on a thread beside the compute and no dependency
+between the two (:class:`SideWork`): placed anywhere in the step (the unclipped bound's assumption), from the
+backward's start (where gradients first exist), or as the clipped bound places it. Each target row gives the step
+over that measured floor (``beside_ratio``): how far the schedule is from the best overlap this machine allows.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -131,16 +138,12 @@ class StageProbe(L.Callback):
         self.stages: dict[str, float] = {}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        manager: ChunkManager = trainer.strategy._manager  # type: ignore[attr-defined]
-        optimizer = trainer.optimizers[0]
-        groups = optimizer.param_groups
+        families = FamilyStages.of(trainer)
         totals = {"d2h_ms": [], "adam_ms": [], "h2d_ms": [], "sums_ms": []}  # type: dict[str, list[float]]
         for _ in range(self.repeats):
             d2h = adam = h2d = sums = 0.0
-            for family in manager.families:
-                if not family.trainable or ChunkKind.EXP_AVG not in family.chunks:
-                    continue
-                a, b, c, d = _family_stages(manager, family, groups)
+            for family in families:
+                a, b, c, d = (_seconds(stage) for stage in (family.d2h, family.adam, family.h2d, family.sum))
                 d2h, adam, h2d, sums = d2h + a, adam + b, h2d + c, sums + d
             totals["d2h_ms"].append(1e3 * d2h)
             totals["adam_ms"].append(1e3 * adam)
@@ -149,43 +152,167 @@ class StageProbe(L.Callback):
         self.stages = {k: statistics.median(v) for k, v in totals.items()}
 
 
-def _family_stages(
-    manager: ChunkManager, family: Any, groups: list[dict[str, Any]]
-) -> tuple[float, float, float, float]:
-    """Seconds of the three stages of one family's pipelined step, on copies of its chunks (nothing of the run's
-    state changes): the same ops on the same sizes as ``optim/host_step.py``'s job; and of one accumulating
-    micro-batch's sum of its gradients into an fp32 buffer on the host (``runtime/grads.py``)."""
-    chunk = family.param_chunk
-    device = chunk.data.clone()  # the bytes where they are now (after a serial step: the host)
-    host = torch.empty_like(device)
-    plan = WholeFamilyPlan.build([(r.slot.offset, r.slot.numel) for r in family.records], [0] * len(family.records))
-    assert plan is not None
-    master_kind = ChunkKind.MASTER if manager.mixed else ChunkKind.PARAM
-    master = family.chunks[master_kind].data.float().clone()
-    states = (family.chunks[ChunkKind.EXP_AVG].data.clone(), family.chunks[ChunkKind.EXP_AVG_SQ].data.clone())
-    steps = [torch.ones((), dtype=torch.float32) for _ in family.records]
-    scratch = torch.empty(plan.end - plan.start, dtype=torch.float32)
-    grads_32 = torch.zeros(plan.end - plan.start, dtype=torch.float32)
+def _seconds(stage: Any) -> float:
     start = time.perf_counter()
-    host.copy_(device)
-    t_d2h = time.perf_counter() - start
-    start = time.perf_counter()
-    if manager.mixed:
-        scratch.copy_(host[plan.start : plan.end])
-        grad_range = scratch
-    else:
-        grad_range = grads_32
-    masters = kernels.adam_on_plan(plan, groups, grad_range, (master, *states), steps, coef=1.0, clip_value=None)
-    if manager.mixed:
-        torch._foreach_copy_(plan.slots(host), masters)
-    t_adam = time.perf_counter() - start
-    start = time.perf_counter()
-    device.copy_(host)
-    t_h2d = time.perf_counter() - start
-    start = time.perf_counter()
-    grads_32.add_(device[plan.start : plan.end])
-    t_sum = time.perf_counter() - start
-    return t_d2h, t_adam, t_h2d, t_sum
+    stage()
+    return time.perf_counter() - start
+
+
+class FamilyStages:
+    """The stages of one family's pipelined step, on copies of its chunks (nothing of the run's state changes): the
+    same ops on the same sizes as ``optim/host_step.py``'s job (``d2h``: the param chunk's bytes to a host buffer;
+    ``adam``: the gradient conversion, fused AdamW on the host and the compute-dtype write-back; ``h2d``: the copy
+    back), and one accumulating micro-batch's sum of its gradients into an fp32 buffer on the host
+    (``runtime/grads.py``)."""
+
+    def __init__(self, manager: ChunkManager, family: Any, groups: list[dict[str, Any]]) -> None:
+        self.mixed, self.groups = manager.mixed, groups
+        self.device = family.param_chunk.data.clone()  # the bytes where they are now (after a serial step: the host)
+        self.host = torch.empty_like(self.device)
+        plan = WholeFamilyPlan.build([(r.slot.offset, r.slot.numel) for r in family.records], [0] * len(family.records))
+        assert plan is not None
+        self.plan = plan
+        master_kind = ChunkKind.MASTER if manager.mixed else ChunkKind.PARAM
+        self.master = family.chunks[master_kind].data.float().clone()
+        self.states = (family.chunks[ChunkKind.EXP_AVG].data.clone(), family.chunks[ChunkKind.EXP_AVG_SQ].data.clone())
+        self.steps = [torch.ones((), dtype=torch.float32) for _ in family.records]
+        self.scratch = torch.empty(plan.end - plan.start, dtype=torch.float32)
+        self.grads_32 = torch.zeros(plan.end - plan.start, dtype=torch.float32)
+
+    @classmethod
+    def of(cls, trainer: L.Trainer) -> list[FamilyStages]:
+        """Every trainable family of the run whose optimizer states exist (after its first optimizer step)."""
+        manager: ChunkManager = trainer.strategy._manager  # type: ignore[attr-defined]
+        groups = trainer.optimizers[0].param_groups
+        return [
+            cls(manager, family, groups)
+            for family in manager.families
+            if family.trainable and ChunkKind.EXP_AVG in family.chunks
+        ]
+
+    def d2h(self) -> None:
+        self.host.copy_(self.device)
+
+    def adam(self) -> None:
+        plan = self.plan
+        if self.mixed:
+            self.scratch.copy_(self.host[plan.start : plan.end])
+            grad_range = self.scratch
+        else:
+            grad_range = self.grads_32
+        buffers = (self.master, *self.states)
+        masters = kernels.adam_on_plan(plan, self.groups, grad_range, buffers, self.steps, coef=1.0, clip_value=None)
+        if self.mixed:
+            torch._foreach_copy_(plan.slots(self.host), masters)
+
+    def h2d(self) -> None:
+        self.device.copy_(self.host)
+
+    def sum(self) -> None:
+        self.grads_32.add_(self.device[self.plan.start : self.plan.end])
+
+
+class SideWork(L.Callback):
+    """The fastest exact overlap this machine allows, measured: in a run whose optimizer steps on the device (the
+    compute alone), every optimizer step's host work (every family's d2h, Adam and h2d, and the accumulating
+    micro-batches' sums, on copies: :class:`FamilyStages`) runs on a thread of its own beside the compute, with no
+    dependency between the two, placed by ``mode``:
+
+    - ``"anywhere"`` (the issue's bound without clipping): all of it from the window's first batch start, waited
+      for at the end of its last backward;
+    - ``"backward"`` (the same, where a gradient exists only once the backward made it): each accumulating
+      micro-batch's sums from its backward's start, the d2h, Adam and h2d from the last backward's start;
+    - ``"clip"`` (the norm known only at the end of the backward): the previous step's Adam and h2d from the
+      window's start (the tail in the next forward), waited for at the first backward's start (the window's first
+      forward reads every family's new weights), then the sums and the d2h as in ``"backward"``.
+
+    ``bound_ms`` is the median time from a window's start to the later of the compute's and the host work's ends:
+    what a schedule could reach here if its stages slowed each other only as much as they do when simply run side
+    by side (on a CPU they share the memory bandwidth; on a GPU the compute, the copies and the host Adam use
+    different hardware)."""
+
+    MODES = ("anywhere", "backward", "clip")
+
+    def __init__(self, mode: str, accumulate: int, start_step: int) -> None:
+        assert mode in self.MODES, mode
+        self.mode, self.accumulate, self.start_step = mode, accumulate, start_step
+        self.families: list[FamilyStages] | None = None
+        self.worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pending: list[concurrent.futures.Future[float]] = []
+        self.window: dict[str, float] | None = None
+        self.micro = 0
+        self.rows: list[dict[str, float]] = []
+
+    def attach(self, strategy: Any) -> None:
+        pre, post = strategy.pre_backward, strategy.post_backward
+
+        def pre_backward(*args: Any) -> Any:
+            last = self.micro == self.accumulate - 1
+            if self.window is not None and self.mode == "clip":
+                if self.micro == 0:
+                    self._wait()
+                self._submit((lambda f: f.d2h()) if last else (lambda f: f.sum()))
+            elif self.window is not None and self.mode == "backward":
+                self._submit((lambda f: (f.d2h(), f.adam(), f.h2d())) if last else (lambda f: f.sum()))
+            return pre(*args)
+
+        def post_backward(*args: Any) -> Any:
+            out = post(*args)
+            if self.window is not None:
+                self.micro += 1
+                if self.micro == self.accumulate:
+                    self.window["compute_end"] = time.perf_counter()
+                    self._wait()
+                    self.window["end"] = time.perf_counter()
+                    self.rows.append(self.window)
+                    self.window = None
+            return out
+
+        strategy.pre_backward, strategy.post_backward = pre_backward, post_backward
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx % self.accumulate or trainer.global_step < self.start_step:
+            return
+        if self.families is None:
+            self.families = FamilyStages.of(trainer)
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="side-work")
+        self.window, self.micro = {"start": time.perf_counter(), "host_ms": 0.0}, 0
+        sums = self.accumulate - 1
+        if self.mode == "clip":
+            self._submit(lambda f: (f.adam(), f.h2d()))
+        elif self.mode == "anywhere":
+            self._submit(lambda f: ([f.sum() for _ in range(sums)], f.d2h(), f.adam(), f.h2d()))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    def _submit(self, each: Any) -> None:
+        """One pass of ``each`` over every family, queued on the side thread."""
+        assert self.worker is not None and self.families is not None
+        families = self.families
+
+        def run() -> float:
+            start = time.perf_counter()
+            for family in families:
+                each(family)
+            return time.perf_counter() - start
+
+        self.pending.append(self.worker.submit(run))
+
+    def _wait(self) -> None:
+        assert self.window is not None
+        self.window["host_ms"] += 1e3 * sum(future.result() for future in self.pending)
+        self.pending = []
+
+    def medians(self) -> dict[str, float]:
+        if not self.rows:
+            raise SystemExit("no measured step beside the host work: raise --steps above --warmup")
+        return {
+            "bound_ms": 1e3 * statistics.median(r["end"] - r["start"] for r in self.rows),
+            "compute_ms": 1e3 * statistics.median(r["compute_end"] - r["start"] for r in self.rows),
+            "host_ms": statistics.median(r["host_ms"] for r in self.rows),
+        }
 
 
 def _loader(args: argparse.Namespace) -> DataLoader:
@@ -195,7 +322,16 @@ def _loader(args: argparse.Namespace) -> DataLoader:
     return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=args.batch_size)
 
 
-def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, probe: bool = False) -> dict[str, Any]:
+def _fit(
+    args: argparse.Namespace,
+    *,
+    placement: str,
+    overlap: str,
+    clip: bool,
+    probe: bool = False,
+    beside: str | None = None,
+) -> dict[str, Any]:
+    """One run; ``beside`` (a :class:`SideWork` mode): the host work placed by that mode on a thread beside it."""
     torch.manual_seed(0)
     module = GPTLightningModule(
         vocab_size=args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
@@ -207,6 +343,10 @@ def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, 
     stage_probe = StageProbe(args.probe_repeats, args.accumulate) if probe else None
     if stage_probe is not None:
         callbacks.append(stage_probe)
+    side = SideWork(beside, args.accumulate, args.warmup) if beside is not None else None
+    if side is not None:
+        side.attach(strategy)
+        callbacks.append(side)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -238,6 +378,8 @@ def _fit(args: argparse.Namespace, *, placement: str, overlap: str, clip: bool, 
     }
     if stage_probe is not None:
         out["stages_alone"] = stage_probe.stages
+    if side is not None:
+        out["beside"] = {"mode": beside, **side.medians()}
     return out
 
 
@@ -273,7 +415,11 @@ def _copy_rate(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int = 4)
 
 
 def _targets(
-    compute: dict[str, Any], stages: dict[str, float], runs: list[dict[str, Any]], headroom: float
+    compute: dict[str, Any],
+    stages: dict[str, float],
+    runs: list[dict[str, Any]],
+    headroom: float,
+    beside: dict[str, dict[str, Any]],
 ) -> list[dict[str, Any]]:
     f, b = compute["forward_ms"], compute["backward_ms"]
     # host work: Adam, and the sums of the accumulating micro-batches' gradients (none without accumulation)
@@ -283,6 +429,7 @@ def _targets(
     for run in runs:
         if run["overlap"] == "off":
             continue
+        mine = beside["clip" if run["clip"] else "anywhere"]["bound_ms"]
         if run["clip"]:
             bound, what = b + max(f, adam), "backward + max(forward, host work)"
         else:
@@ -302,6 +449,10 @@ def _targets(
                 # the serial step over the machine's overlap headroom: the fastest overlap of stages bound by
                 # memory bandwidth (a CPU's simulated device: compute, Adam and the copies all are)
                 "bandwidth_floor_ms": serial[run["clip"]] / headroom,
+                # the same bound measured with the stages beside each other, no dependency between them (SideWork)
+                "beside_bound_ms": mine,
+                "beside_ratio": run["step_ms"] / mine,
+                "beside_met": run["step_ms"] <= 1.15 * mine,
             }
         )
     return rows
@@ -320,7 +471,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--chunk-size", type=int, default=2**22, help="elements per chunk")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument(
+        "--steps", type=int, default=60, help="optimizer steps per run (the last --steps minus --warmup are measured)"
+    )
     parser.add_argument(
         "--warmup", type=int, default=44, help="steps not measured (the engine's warm-up, then auto's trials)"
     )
@@ -353,6 +506,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for overlap in ("off", "pipeline", "auto", "next_forward")
     ]
     stages = runs[0]["stages_alone"]
+    beside: dict[str, dict[str, Any]] = {}
+    for mode in SideWork.MODES:
+        run = _fit(args, placement="device", overlap="off", clip=False, beside=mode)
+        beside[mode] = {**run["beside"], "forward_ms": run["forward_ms"], "backward_ms": run["backward_ms"]}
     bandwidth = copy_bandwidths()
     headroom = bandwidth["two_threads_gbps"] / bandwidth["one_thread_gbps"]
     result = {
@@ -366,8 +523,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "compute": compute,
         "stages_alone": stages,
         "copy_bandwidth": bandwidth,
+        "beside": beside,
         "runs": runs,
-        "targets": _targets(compute, stages, runs, headroom),
+        "targets": _targets(compute, stages, runs, headroom, beside),
     }
     _print(result)
     if args.json is not None:
@@ -390,6 +548,12 @@ def _print(result: dict[str, Any]) -> None:
         f" ({bw['two_threads_gbps'] / bw['one_thread_gbps']:.2f}x: the most memory-bound stages can overlap here)"
     )
 
+    for mode, b in result["beside"].items():
+        print(
+            f"the host work beside the compute, no dependency ({mode}): a step {b['bound_ms']:.1f} ms (compute"
+            f" {b['compute_ms']:.1f}: forward {b['forward_ms']:.1f}, backward {b['backward_ms']:.1f}; host work"
+            f" {b['host_ms']:.1f} ms)"
+        )
     print(
         "| clip | overlap | runs | step ms | forward | backward | step phase | in backward (copied back) / jobs"
         " | sums aside |"
@@ -410,7 +574,9 @@ def _print(result: dict[str, Any]) -> None:
             f"{t['overlap']}, {'clip' if t['clip'] else 'no clip'}: step {t['step_ms']:.1f} ms = {t['ratio']:.2f}x"
             f" {t['bound']} ({t['bound_ms']:.1f} ms); target <= {t['target']}x: {verdict}; backward"
             f" {t['backward_over_alone']:.2f}x its time alone; {t['step_ms'] / t['bandwidth_floor_ms']:.2f}x the"
-            f" serial step over the copy bandwidth's headroom ({t['bandwidth_floor_ms']:.1f} ms)"
+            f" serial step over the copy bandwidth's headroom ({t['bandwidth_floor_ms']:.1f} ms);"
+            f" {t['beside_ratio']:.2f}x the stages beside each other ({t['beside_bound_ms']:.1f} ms):"
+            f" {'met' if t['beside_met'] else 'NOT met'} there"
         )
 
 

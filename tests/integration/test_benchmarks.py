@@ -272,7 +272,17 @@ def test_offload_quick_measures_every_schedule_against_its_bounds(tmp_path: Path
         assert target["backward_over_alone"] == pytest.approx(run["backward_ms"] / result["compute"]["backward_ms"])
         serial = runs[("off", target["clip"])]["step_ms"]
         assert target["bandwidth_floor_ms"] == pytest.approx(serial / headroom)
-    assert "target <= 1.15x" in proc.stdout
+        side = result["beside"]["clip" if target["clip"] else "anywhere"]
+        assert target["beside_ratio"] == pytest.approx(target["step_ms"] / side["bound_ms"])
+        assert target["beside_met"] == (target["step_ms"] <= 1.15 * side["bound_ms"])
+    # the stages beside each other: a run with the optimizer on the device and the host work on a thread beside it
+    assert set(result["beside"]) == {"anywhere", "backward", "clip"}
+    for mode, side in result["beside"].items():
+        assert side["mode"] == mode and side["host_ms"] > 0
+        # the step ends when both the compute and the host work have
+        assert side["bound_ms"] >= side["compute_ms"] > 0
+        assert side["compute_ms"] >= 0.9 * (side["forward_ms"] + side["backward_ms"])
+    assert "target <= 1.15x" in proc.stdout and "the host work beside the compute" in proc.stdout
 
 
 def test_offload_only_runs_one_schedule_alone(tmp_path: Path) -> None:
