@@ -14,6 +14,8 @@ of one family, :mod:`lightning_pstar.optim.serial_step`; its pipelined form is :
   one gradient conversion and one fused call per param group for the whole chunk range;
 - record by record (the rest: accumulated or missing gradients, SGD);
 - host-resident parameters (``cpu_embedding``), whose state lives beside them in an ordinary dict.
+
+What the setup and a step refuse, before anything changes, is :mod:`lightning_pstar.optim.step_checks`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch.optim import Optimizer
 
 import lightning_pstar.optim.kernels as kernels
+import lightning_pstar.optim.step_checks as step_checks
 from lightning_pstar.config import NonFinite
 from lightning_pstar.optim.grads import family_grads, global_norm, host_grads
 from lightning_pstar.optim.host_step import host_job
@@ -104,14 +107,8 @@ class ChunkedOptimizer(Optimizer):
     """Steps ``optimizer``'s hyper-parameters on the chunks of ``manager``."""
 
     def __init__(self, optimizer: Optimizer, manager: ChunkManager) -> None:
-        if type(optimizer) not in SUPPORTED_OPTIMIZERS:
-            names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
-            raise TypeError(
-                f"PatrickStar cannot run optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__}."
-                f" Supported: {names}. HINT: return one of these from `configure_optimizers` (under Fabric: pass one"
-                " to `fabric.setup`)."
-            )
-        _check_options(optimizer, manager)
+        step_checks.check_supported(optimizer, SUPPORTED_OPTIMIZERS)
+        step_checks.check_options(optimizer, manager)
         # torch's constructor builds the internals (it adds copies of the groups through add_param_group, which
         # is open only while it runs); then the user's own list replaces them, so schedulers act here
         self._adding_initial_groups = True
@@ -220,15 +217,15 @@ class ChunkedOptimizer(Optimizer):
             manager.pipeline.drain(only=leftover)
         unfrozen = [r for r in self._frozen if r.param.requires_grad]
         if unfrozen:
-            self._refuse_unfrozen(unfrozen)
+            step_checks.refuse_unfrozen(unfrozen)
         families = self._families_with_grads()
         if self._zeroed_by_step[0] and families:
-            self._refuse_sum_across_steps(families)
+            step_checks.refuse_sum_across_steps(families)
         if self._zeroed_by_step[0] and not families and not early:
             with torch._C.DisableTorchFunctionSubclass():
                 host_grads = any(p.grad is not None for p in self._host_params())
             if not host_grads:
-                self._refuse_step_again()
+                step_checks.refuse_step_again(self._records)
         # a weight given new storage since the backward is what this step updates ([Note: parameters given new
         # storage] in runtime/new_storage.py)
         adopt_new_storage(manager, [r for f in families if f.family_id not in early for r in f.records])
@@ -265,32 +262,16 @@ class ChunkedOptimizer(Optimizer):
         parameter whose gradient ``zero_grad(set_to_none=False)`` kept as zeros and that got none since (torch
         steps it with a zero gradient, moving it by momentum and weight decay)."""
         self._layout.check()
-        for gi, group in enumerate(self.param_groups):  # refused at setup too (_check_options): set since then
-            flags = _unsupported_flags(group)
-            if flags:
-                raise ValueError(
-                    f"PatrickStar: {flags[0]}=True was set in param group {gi} during the run; PatrickStar's fused"
-                    f" chunk kernels do not support it, and would step without it. Nothing was stepped. HINT: leave"
-                    f" {flags[0]}=False."
-                )
-        if not self._book.is_adam and not self._momentum and any(g["momentum"] != 0 for g in self.param_groups):
-            raise RuntimeError(
-                "PatrickStar: SGD momentum was turned on during the run, but the optimizer had momentum=0 in every"
-                " param group at setup, so no momentum buffers were laid out. Nothing was stepped. HINT: create the"
-                " SGD with the momentum it will use (a scheduler may change it, and set it to 0 where it is off)."
-            )
+        step_checks.refuse_unsupported_flags(self.param_groups)  # refused at setup too: set since then
+        if not self._book.is_adam and not self._momentum:
+            step_checks.refuse_momentum_turned_on(self.param_groups)
         self._stepped_grads.clear()  # shared with LightningOptimizer's copies of __dict__: changed in place
         self._stepped_grads.update(r.index for r in self._records if r.has_grad)
         if self._kept_zeros:
-            missing = [r for r in self._records if r.index in self._kept_zeros and r.index not in self._stepped_grads]
-            if missing:
-                names = ", ".join(f"'{r.names[0]}'" for r in missing[:5])
-                raise RuntimeError(
-                    f"PatrickStar: parameter(s) {names} got no gradient since `zero_grad(set_to_none=False)` kept"
-                    " theirs as zeros; torch would step them with a zero gradient (momentum and weight decay move"
-                    " them), which PatrickStar does not. Nothing was stepped. HINT: use `zero_grad()` (torch's"
-                    " default set_to_none=True), with which torch skips them too."
-                )
+            kept = self._kept_zeros
+            step_checks.refuse_kept_zeros(
+                [r for r in self._records if r.index in kept and r.index not in self._stepped_grads]
+            )
 
     def _nonfinite(self, families: list[ChunkFamily]) -> bool:
         """``mixed_precision.nonfinite``: whether this step must not be applied, because a backward since the last
@@ -437,59 +418,18 @@ class ChunkedOptimizer(Optimizer):
 
     def _zero_after_step(self, *, consumed: bool = True) -> None:
         """The step consumed the gradients (applied or skipped): they go, where torch keeps them until
-        ``zero_grad``; a step before the user's next ``zero_grad`` is refused ([Note: gradients end with the step]).
+        ``zero_grad``; a step before the user's next ``zero_grad`` is refused ([Note: gradients end with the step] in
+        ``optim/step_checks.py``).
         ``consumed=False``: there were none (a step before any backward, or after ``zero_grad``), so torch keeps
         nothing either, and the next step needs no ``zero_grad`` first."""
         self.zero_grad()
         self._zeroed_by_step[0] = consumed
         self._zeroed_since_step.clear()
 
-    @staticmethod
-    def _refuse_unfrozen(records: list[ParamRecord]) -> None:
-        """A parameter of the optimizer's groups frozen at setup was unfrozen since: plain PyTorch would step it,
-        but the engine laid out gradients, fp32 masters and optimizer states for the trainable parameters only, so
-        its gradient reaches no chunk; refused, before the step changes anything, rather than never trained."""
-        names = ", ".join(f"'{r.names[0]}'" for r in records[:5]) + (" ..." if len(records) > 5 else "")
-        raise RuntimeError(
-            f"PatrickStar: parameter(s) {names} had requires_grad=False when the strategy set up and are trainable"
-            " now; PatrickStar lays out gradients, fp32 masters and optimizer states for the parameters trainable at"
-            " setup, so the optimizer would never step them (plain PyTorch would). HINT: set requires_grad before"
-            " `fit` / `fabric.setup` (freeze with `requires_grad_(False)` later instead, which works), or train in"
-            " two runs, resuming from a checkpoint with the new parameters trainable."
-        )
-
-    def _refuse_sum_across_steps(self, families: list[ChunkFamily]) -> None:
-        """[Note: gradients end with the step] A step's gradients go with it (in mixed precision the parameter's slot
-        that holds them becomes the new weight). torch keeps them in ``p.grad`` until ``zero_grad``, so a step with
-        no ``zero_grad`` since the last one adds the last step's gradients to this one's: a loop that never zeroes,
-        an ``optimizer_zero_grad`` override that zeroes every other batch. That sum is gone here, so the step is
-        refused, before it changes anything, instead of silently stepping with this backward's gradients alone."""
-        name = families[0].records[0].names[0]
-        raise RuntimeError(
-            f"PatrickStar: optimizer.step() was called without `zero_grad()` since the last step, so plain PyTorch"
-            f" would add the last step's gradients to these (parameters such as '{name}'). PatrickStar frees"
-            " gradients at each step and cannot add them. HINT: call `optimizer.zero_grad()` between steps (do not"
-            " override `optimizer_zero_grad` to keep gradients); accumulate gradients over several backward calls"
-            " before one step instead (`accumulate_grad_batches`, or several `manual_backward` calls)."
-        )
-
     @property
     def consumed_gradients(self) -> bool:
         """Whether the last step consumed gradients that torch would keep in ``p.grad`` until ``zero_grad``."""
         return self._zeroed_by_step[0]
-
-    def _refuse_step_again(self) -> None:
-        """[Note: gradients end with the step] A second ``step()`` with neither a backward nor ``zero_grad`` since
-        the last one: torch steps again with the gradients it kept in ``p.grad`` (Adam moves every parameter once
-        more), but the last step consumed them here. Refused before anything changes, rather than a silent no-op."""
-        name = self._records[0].names[0] if self._records else "?"
-        raise RuntimeError(
-            "PatrickStar: optimizer.step() was called again with neither a backward nor `zero_grad()` since the last"
-            f" step, so plain PyTorch would step once more with the last step's gradients (parameters such as"
-            f" '{name}'). PatrickStar frees gradients at each step and cannot step with them again. Nothing was"
-            " stepped. HINT: step once per backward (an `optimizer_step` override must not call `optimizer.step()`"
-            " twice); to repeat an update, run the backward again first."
-        )
 
     def _module_zeroed(self, indices: set[int]) -> None:
         """``zero_grad`` on a module zeroed the gradients of the records ``indices`` (and the manager forgot them):
@@ -587,37 +527,3 @@ class ChunkedOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"ChunkedOptimizer({type(self._user_optimizer).__name__}, groups={len(self.param_groups)})"
-
-
-def _unsupported_flags(group: dict[str, Any]) -> list[str]:
-    """The options of ``group`` set to True that the fused chunk kernels cannot honour."""
-    return [k for k in ("amsgrad", "capturable", "differentiable") if group.get(k)]
-
-
-def _check_options(optimizer: Optimizer, manager: ChunkManager) -> None:
-    """Refuse options the fused chunk kernels cannot honour, and tensors that are not the model's."""
-    for gi, group in enumerate(optimizer.param_groups):
-        flags = _unsupported_flags(group)
-        if flags:
-            raise ValueError(
-                f"{type(optimizer).__name__}({flags[0]}=True) in param group {gi} is not supported by"
-                f" PatrickStar. HINT: set {flags[0]}=False."
-            )
-        if group.get("foreach") or group.get("fused") is False:
-            log.warning(
-                "PatrickStar always uses torch's fused optimizer kernels; the foreach/fused setting of"
-                " param group %d is ignored.",
-                gi,
-            )
-        for p in group["params"]:
-            if manager.is_host_param(p):
-                continue
-            try:
-                manager.record_of(p)
-            except KeyError:
-                raise ValueError(
-                    f"Param group {gi} of {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)}"
-                    " that is not a parameter of the LightningModule. HINT: build the optimizer from"
-                    " `self.parameters()` inside `configure_optimizers` (under Fabric: from the parameters of the"
-                    " model given to `fabric.setup`)."
-                ) from None

@@ -25,7 +25,7 @@ The stand-ins show it: a stand-in found None when the engine takes them away was
 that parameter's gradient in its chunks before anything reads it (``ChunkManager.remove_grad_guard``). After
 ``optimizer.step()`` the stand-ins stand for the gradients the step consumed: Fabric's model wrapper runs
 ``nn.Module.zero_grad`` on itself, which sets those to None, and that is how the engine knows a loop zeroes with
-``model.zero_grad()`` ([Note: gradients end with the step] in ``optim/optimizer.py``; the modules of the model
+``model.zero_grad()`` ([Note: gradients end with the step] in ``optim/step_checks.py``; the modules of the model
 itself have their ``zero_grad`` seen directly: [Note: a module's zero_grad] in ``module_zero_grad.py``).
 """
 

@@ -522,7 +522,7 @@ def test_p_grad_assigned_before_step_is_refused() -> None:
 
 def test_step_without_zero_grad_is_refused_under_fabric() -> None:
     """A Fabric loop with no ``zero_grad``: plain torch adds the last step's gradients; refused at the second step,
-    before it changes anything ([Note: gradients end with the step] in optim/optimizer.py)."""
+    before it changes anything ([Note: gradients end with the step] in optim/step_checks.py)."""
     fabric, model, opt = _set_up()
     data = batches(1, 0)
     x, y = next(data)
