@@ -32,7 +32,7 @@ def test_parameters_used_several_times(kind: str) -> None:
     """The gradient of a parameter used several times is the sum over its uses: with SGD with momentum the losses
     and final weights equal plain Lightning's, also when the chunks are evicted between the uses. A weight read
     outside its module (``functional``) is saved by autograd while its chunk is on HOST and fetched back to the
-    device before its backward (hooks.py, [Note: saved weights])."""
+    device before its backward (runtime/saved_weights.py, [Note: saved weights])."""
 
     def build() -> nn.Module:
         return MultiUse(kind)

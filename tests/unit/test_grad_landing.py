@@ -221,7 +221,7 @@ def test_the_strategy_lands_the_gradients_of_a_backward_that_raised() -> None:
 
 
 class _OutsideUse(nn.Module):
-    """``a.weight`` used again outside its module (saved by reference, [Note: saved weights] in hooks.py)."""
+    """``a.weight`` used again outside its module (saved by reference: runtime/saved_weights.py)."""
 
     def __init__(self) -> None:
         super().__init__()
