@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
@@ -46,6 +47,7 @@ from lightning_pstar.runtime.manager import ChunkManager
 __all__ = [
     "sharded_entries_with_placeholders",
     "SafeCheckpointIO",
+    "refuse_io_sharded_bypasses",
     "check_optimizer_groups",
     "check_optimizer_states",
     "load_model_state",
@@ -54,6 +56,30 @@ __all__ = [
     "refuse_bare_state_dict",
     "write_sharded_checkpoint",
 ]
+
+
+# [Note: the checkpoint IO]
+# Both strategies save and load through SafeCheckpointIO (atomic, checksummed) unless the user gives another
+# CheckpointIO, to the strategy or, as with Lightning's own strategies, in ``plugins`` (Lightning refuses one given
+# both ways, so the strategies hold none until asked: their ``checkpoint_io`` property makes the default then). A
+# wrapping IO given without its base (``AsyncCheckpointIO()``) writes through SafeCheckpointIO, where Lightning's
+# own strategies would give it a plain TorchCheckpointIO. ``checkpoint="sharded"`` writes every rank's part with
+# ``torch.distributed.checkpoint`` and reads it back the same way, through no CheckpointIO: a user's IO would be
+# silently bypassed, so that pair is refused at setup (:func:`refuse_io_sharded_bypasses`).
+
+
+def refuse_io_sharded_bypasses(io: CheckpointIO, *, sharded: bool) -> None:
+    """Refuse, before anything changes, a user's CheckpointIO that ``checkpoint="sharded"`` would never call."""
+    if not sharded or type(io) is SafeCheckpointIO:
+        return
+    base = getattr(io, "checkpoint_io", None)  # a wrapping IO (AsyncCheckpointIO): name what it wraps
+    what = type(io).__name__ + (f"({type(base).__name__})" if base is not None and base is not io else "")
+    raise ValueError(
+        f"PatrickStar: checkpoint='sharded' writes each rank's part with torch.distributed.checkpoint, not through"
+        f" a CheckpointIO, so the checkpoint IO {what} given to the run would never be called. HINT: use"
+        " checkpoint='consolidated' to save through it (one ordinary file, written by rank 0), or drop the"
+        " checkpoint_io (strategy argument or Trainer/Fabric `plugins`) to keep sharded checkpoints."
+    )
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

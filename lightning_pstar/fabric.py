@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_pstar.checkpoint import full_state_dict, load_full_state_dict
-from lightning_pstar.checkpointing import SafeCheckpointIO, chunked_of
+from lightning_pstar.checkpointing import SafeCheckpointIO, chunked_of, refuse_io_sharded_bypasses
 from lightning_pstar.config import PStarConfig, PStarOptions
 from lightning_pstar.fabric_checkpoint import load_fabric_checkpoint, save_fabric_checkpoint
 from lightning_pstar.glue import (
@@ -136,7 +136,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else SafeCheckpointIO(),
+            checkpoint_io=checkpoint_io,  # None: SafeCheckpointIO once asked ([Note: the checkpoint IO])
             precision=precision,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -181,6 +181,18 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
             if precision is None
             else PatrickStarFabricPrecision.from_plugin(precision, self.config.mixed_precision.loss_scale)
         )
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """SafeCheckpointIO unless another was given ([Note: the checkpoint IO] in checkpointing.py)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = SafeCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     # ---- processes ------------------------------------------------------------------------------------
     @override
@@ -233,6 +245,7 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
                 "PatrickStarFabricStrategy manages one model and one was set up already. HINT: put the models in one"
                 " nn.Module (e.g. an nn.ModuleDict) and set that up once."
             )
+        refuse_io_sharded_bypasses(self.checkpoint_io, sharded=self.config.checkpoint == "sharded")
         self._manager, self._hooks = build_engine(
             module,
             config=self.config,

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -36,6 +37,7 @@ from lightning_pstar.checkpointing import (
     load_sharded_optimizer_states,
     open_checkpoint,
     refuse_bare_state_dict,
+    refuse_io_sharded_bypasses,
     sharded_entries_with_placeholders,
     write_sharded_checkpoint,
 )
@@ -119,7 +121,7 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else SafeCheckpointIO(),
+            checkpoint_io=checkpoint_io,  # None: SafeCheckpointIO once asked ([Note: the checkpoint IO])
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -154,10 +156,27 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
             None if plugin is None else PatrickStarPrecision.from_plugin(plugin, self.config.mixed_precision.loss_scale)
         )
 
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """SafeCheckpointIO unless another was given, also as the base of a wrapping IO given without one
+        ([Note: the checkpoint IO] in checkpointing.py)."""
+        io = self._checkpoint_io
+        if io is None:
+            io = self._checkpoint_io = SafeCheckpointIO()
+        elif isinstance(io, _WrappingCheckpointIO):
+            io.checkpoint_io = SafeCheckpointIO()  # its setter keeps a base given to it
+        return io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
     # ---- distributed ----------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         # before any callback's setup hook: see [Note: callbacks refused at setup_environment]
+        refuse_io_sharded_bypasses(self.checkpoint_io, sharded=self._sharded)
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:

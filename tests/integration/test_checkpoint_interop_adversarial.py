@@ -37,6 +37,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pstar import PatrickStarFabricStrategy, PatrickStarPrecision, PatrickStarStrategy
@@ -317,6 +318,61 @@ def test_every_step_checkpoints_equal_plain_lightnings(mode: str, accumulate: in
     assert names == sorted(p.name for p in (tmp_path / mode).glob("*.ckpt")) and len(names) == BATCHES // accumulate
     for name in names:
         _assert_same_file(_load(tmp_path / mode / name), _load(tmp_path / "plain" / name), f"{mode}: {name}")
+
+
+@pytest.mark.parametrize("given", ["plugins", "strategy"])
+def test_async_checkpoint_io_every_step_equals_plain_lightnings_sync_files(given: str, tmp_path: Path) -> None:
+    """``AsyncCheckpointIO`` in the Trainer's ``plugins`` (as with Lightning's own strategies; refused before as
+    "set through both strategy class and plugins") or given to the strategy: Lightning writes each file on a thread
+    of its own while training goes on (the next step's tail in flight, its copies back into the chunks), through
+    the crash-safe SafeCheckpointIO ([Note: the checkpoint IO]); every file holds what plain Lightning's synchronous
+    save wrote at that step (the dict the thread writes is the engine's fp32 CPU copies, never a view of a chunk)."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_pstar.checkpointing import SafeCheckpointIO
+
+    common: dict[str, Any] = {"every_n_train_steps": 1, "max_epochs": 1}
+    _fit("auto", ckpt_dir=tmp_path / "plain", **common)
+    options: dict[str, Any] = {"optimizer_placement": "host", "optimizer_overlap": "next_forward", "chunk_size": 4096}
+    io = AsyncCheckpointIO()
+    if given == "plugins":
+        run = _fit(PatrickStarStrategy(**options), ckpt_dir=tmp_path / "async", plugins=[io], **common)
+    else:
+        run = _fit(PatrickStarStrategy(checkpoint_io=io, **options), ckpt_dir=tmp_path / "async", **common)
+    assert run.trainer.strategy.checkpoint_io is io and type(io.checkpoint_io) is SafeCheckpointIO
+    names = sorted(p.name for p in (tmp_path / "plain").glob("*.ckpt"))
+    assert names == sorted(p.name for p in (tmp_path / "async").glob("*.ckpt")) and len(names) == BATCHES
+    for name in names:
+        _assert_same_file(_load(tmp_path / "async" / name), _load(tmp_path / "plain" / name), f"async: {name}")
+
+
+def test_sharded_checkpoints_refuse_a_checkpoint_io_they_would_bypass(tmp_path: Path) -> None:
+    """``checkpoint="sharded"`` writes with ``torch.distributed.checkpoint``, never through a CheckpointIO: a user's
+    IO (here Lightning's AsyncCheckpointIO in ``plugins``) is refused when the run starts, naming it and what to do,
+    before the model changes (it was silently bypassed: no file went through it)."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    module = TinyLM(optim=SPEC, seed=SEED)
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"checkpoint='sharded'.*AsyncCheckpointIO\(SafeCheckpointIO\).*HINT"):
+        _fit(PatrickStarStrategy(checkpoint="sharded"), module=module, plugins=[AsyncCheckpointIO()], max_epochs=1)
+    assert_states_equal(module.state_dict(), before, what="weights after the refusal")
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=1,
+        strategy=PatrickStarFabricStrategy(checkpoint="sharded"),
+        plugins=[TorchCheckpointIO()],
+    )
+    fabric.launch()
+    with pytest.raises(ValueError, match=r"checkpoint='sharded'.*TorchCheckpointIO.*consolidated"):
+        fabric.setup(FlatGPT())
+    # the default IO with sharded checkpoints, and a user's IO in Fabric's plugins with consolidated ones, set up
+    _fit(PatrickStarStrategy(checkpoint="sharded"), max_epochs=1, max_steps=1)
+    io = TorchCheckpointIO()
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=PatrickStarFabricStrategy(), plugins=[io])
+    fabric.launch()
+    fabric.setup(FlatGPT())
+    assert fabric.strategy.checkpoint_io is io
 
 
 @pytest.mark.parametrize("mode", ["next_forward"])
