@@ -226,6 +226,8 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         module = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_no_trainable_parameters(module, entry="trainer.fit")
+            if self._layer_sync is not None:  # `Trainer(sync_batchnorm=True)`, as in DDPStrategy.setup (undone there)
+                self._layer_sync.apply(module)  # in place: the root, a LightningModule, is no BatchNorm itself
         self._manager, self._hooks = build_engine(
             module,
             config=self.config,

@@ -62,3 +62,27 @@ def test_batchnorm_running_stats_in_bf16_mixed_are_as_close_as_plain_bf16_itself
         own_distance = _rel(plain16[i], plain32[i])
         assert own_distance > 0  # bf16 really differs, so the bound below means something
         assert _rel(ours[i], plain16[i]) < 2 * own_distance
+
+
+class _SeesSyncBatchNorm(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seen = type(pl_module.net[1])  # type: ignore[index]
+
+
+def test_sync_batchnorm_is_applied_as_ddp_applies_it() -> None:
+    """``Trainer(sync_batchnorm=True)``: the BatchNorm layers train as ``nn.SyncBatchNorm`` and are BatchNorm again
+    after fit, as under Lightning's DDPStrategy (it was silently ignored: at several ranks each rank kept its own
+    statistics). At one rank (no process group) SyncBatchNorm computes as BatchNorm: plain Lightning's statistics."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(160, 8, generator=g) * 3 + 1
+    y = torch.randn(160, 1, generator=g)
+    model, seen = BNNet(), _SeesSyncBatchNorm()
+    make_trainer(strategy=PatrickStarStrategy(), sync_batchnorm=True, max_steps=10, callbacks=[seen]).fit(
+        model, DataLoader(TensorDataset(x, y), batch_size=16)
+    )
+    assert seen.seen is nn.SyncBatchNorm
+    bn = model.net[1]
+    # reverted as Lightning reverts it under DDP (to its own BatchNorm class)
+    assert isinstance(bn, nn.modules.batchnorm._BatchNorm) and not isinstance(bn, nn.SyncBatchNorm)
+    assert bn.running_mean is not None and bn.running_var is not None
+    torch.testing.assert_close((bn.running_mean, bn.running_var), _stats("auto", "32-true"), rtol=1e-5, atol=1e-6)
