@@ -35,6 +35,61 @@ __all__ = ["ChunkPrecision", "PatrickStarFabricPrecision", "PatrickStarPrecision
 _DTYPES = dict(zip(SUPPORTED_PRECISIONS, (torch.float16, torch.bfloat16, torch.float32), strict=True))
 
 
+def _lightning_precisions() -> tuple[type, ...]:
+    """The plugins Lightning and Fabric make from a precision string: each becomes a PatrickStar plugin of the same
+    precision (the unsupported ones are refused by its constructor, naming the precision)."""
+    from lightning.fabric.plugins import precision as fabric
+    from lightning.pytorch.plugins import precision as trainer
+
+    return (
+        Precision,
+        FabricPrecision,
+        trainer.MixedPrecision,
+        fabric.MixedPrecision,
+        trainer.HalfPrecision,
+        fabric.HalfPrecision,
+        trainer.DoublePrecision,
+        fabric.DoublePrecision,
+    )
+
+
+def _loss_scale_of(scaler: Any, loss_scale: LossScaleConfig | None) -> LossScaleConfig | None:
+    """The loss scaling a ``MixedPrecision(..., scaler=GradScaler(...))`` asks for, as the strategy's option: a
+    scaler with torch's defaults leaves ``loss_scale`` as it is; one of the user's own sets it, unless the strategy's
+    option says otherwise (refused, naming both); a disabled one (fp16 without scaling) is refused."""
+    if not scaler.is_enabled():
+        raise ValueError(
+            "PatrickStar's 16-mixed always scales the loss, but the GradScaler given to the precision plugin is"
+            " disabled (enabled=False). HINT: use precision='bf16-mixed' (no loss scaling needed), or keep the scaler"
+            " enabled."
+        )
+    wanted: dict[str, float] = {
+        "initial_scale": float(scaler._init_scale),
+        "growth_factor": float(scaler._growth_factor),
+        "backoff_factor": float(scaler._backoff_factor),
+        "growth_interval": int(scaler._growth_interval),
+    }
+    default = LossScaleConfig()
+    if all(getattr(default, k) == v for k, v in wanted.items()):
+        return loss_scale  # torch's defaults are the engine's: nothing was asked
+    if loss_scale is None or loss_scale == default:
+        return LossScaleConfig(
+            initial_scale=wanted["initial_scale"],
+            growth_factor=wanted["growth_factor"],
+            backoff_factor=wanted["backoff_factor"],
+            growth_interval=int(wanted["growth_interval"]),
+            min_scale=min(default.min_scale, wanted["initial_scale"]),
+        )
+    ours = {k: getattr(loss_scale, k) for k in wanted}
+    if ours == wanted:
+        return loss_scale
+    raise ValueError(
+        f"The GradScaler given to the precision plugin asks for {wanted}, but the strategy's"
+        f" `mixed_precision.loss_scale` says {ours}. HINT: set the loss scaling in one place (the strategy's"
+        " option, or the scaler)."
+    )
+
+
 class LossScaleUnderflowError(RuntimeError):
     """fp16 gradients kept overflowing until the loss scale reached its minimum."""
 
@@ -83,6 +138,16 @@ class ChunkPrecision(FabricPrecision):
                 if plugin.uses_loss_scaling:
                     plugin.scale = loss_scale.initial_scale
             return plugin
+        if type(plugin) not in _lightning_precisions():
+            raise TypeError(
+                f"PatrickStar runs its own precision plugin (the compute dtype, fp32 masters in chunks, loss scaling),"
+                f" so the {type(plugin).__module__}.{type(plugin).__qualname__} given to the run would be replaced and"
+                " what it does lost. HINT: give the precision as a string (Trainer or Fabric `precision='bf16-mixed'`,"
+                " '16-mixed' or '32-true'), with fp16 loss scaling set by the strategy's `mixed_precision.loss_scale`."
+            )
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None:
+            loss_scale = _loss_scale_of(scaler, loss_scale)
         return cls(str(getattr(plugin, "precision", "32-true")), loss_scale=loss_scale)
 
     # ---- forward ------------------------------------------------------------------------------------------

@@ -97,6 +97,47 @@ def test_from_plugin_rejects_unsupported(plugin: Precision) -> None:
         PatrickStarPrecision.from_plugin(plugin)
 
 
+def test_from_plugin_takes_a_users_grad_scaler_settings() -> None:
+    """``MixedPrecision("16-mixed", ..., scaler=GradScaler(init_scale=..., ...))``: the scaler's settings become the
+    loss scaling (they were silently dropped for the engine's defaults); they must agree with the strategy's own
+    option where that was set; a disabled scaler (fp16 without scaling, which the engine cannot run) is refused."""
+
+    def scaler(**kw: Any) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", **kw)
+
+    asked = dict(init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=10)
+    got = PatrickStarPrecision.from_plugin(MixedPrecision("16-mixed", "cpu", scaler=scaler(**asked)), LossScaleConfig())
+    config = got.loss_scale_config
+    assert got.scale == 1024.0 and (config.growth_factor, config.backoff_factor, config.growth_interval) == (
+        4,
+        0.25,
+        10,
+    )
+    same = LossScaleConfig(initial_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=10)
+    assert (
+        PatrickStarPrecision.from_plugin(MixedPrecision("16-mixed", "cpu", scaler=scaler(**asked)), same).scale == 1024
+    )
+    # torch's default scaler (what `precision="16-mixed"` makes) leaves the strategy's option as it is
+    own = LossScaleConfig(initial_scale=8.0)
+    assert PatrickStarPrecision.from_plugin(MixedPrecision("16-mixed", "cpu", scaler=scaler()), own).scale == 8.0
+    with pytest.raises(ValueError, match=r"asks for .*initial_scale': 1024.*says .*initial_scale': 8.0.*HINT"):
+        PatrickStarPrecision.from_plugin(MixedPrecision("16-mixed", "cpu", scaler=scaler(**asked)), own)
+    with pytest.raises(ValueError, match=r"disabled.*HINT"):
+        PatrickStarPrecision.from_plugin(MixedPrecision("16-mixed", "cpu", scaler=scaler(enabled=False)))
+
+
+def test_from_plugin_refuses_a_plugin_it_would_replace() -> None:
+    """A precision plugin other than those Lightning makes from a precision string (a subclass with hooks of its
+    own, another library's) was silently replaced by a PatrickStar plugin of its precision: refused, naming it."""
+
+    class Custom(MixedPrecision):
+        def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+            return tensor * 2
+
+    with pytest.raises(TypeError, match=r"Custom.*would be replaced.*HINT: give the precision as a string"):
+        PatrickStarPrecision.from_plugin(Custom("bf16-mixed", "cpu"))
+
+
 def test_from_plugin_keeps_a_patrickstar_plugin() -> None:
     own = PatrickStarPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale=32.0))
     assert PatrickStarPrecision.from_plugin(own, LossScaleConfig(initial_scale=8.0)) is own
