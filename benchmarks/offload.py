@@ -107,6 +107,15 @@ class PhaseTimer(L.Callback):
         if self.marks:
             self.marks[-1]["next"] = time.perf_counter()
 
+    def every_step(self, window: int = 1) -> list[float]:
+        """Milliseconds of every optimizer step of the run, warm-up and trials included (a window of ``window``
+        micro-batches each): where the machine had a slow spell, and whether a schedule's steps changed after
+        ``"auto"`` chose it."""
+        marks = [m for m in self.marks if "next" in m]
+        return [
+            1e3 * (marks[i + window - 1]["next"] - marks[i]["start"]) for i in range(0, len(marks) - window + 1, window)
+        ]
+
     def medians(self, skip: int, window: int = 1) -> dict[str, float]:
         """Median milliseconds per optimizer step after the first ``skip`` steps, each step a window of ``window``
         micro-batches (gradient accumulation): its forwards and backwards summed, its step phase the last
@@ -251,9 +260,9 @@ class SideWork(L.Callback):
             if self.window is not None and self.mode == "clip":
                 if self.micro == 0:
                     self._wait()
-                self._submit((lambda f: f.d2h()) if last else (lambda f: f.sum()))
+                self._submit("d2h" if last else "sum")
             elif self.window is not None and self.mode == "backward":
-                self._submit((lambda f: (f.d2h(), f.adam(), f.h2d())) if last else (lambda f: f.sum()))
+                self._submit(*(("d2h", "adam", "h2d") if last else ("sum",)))
             return pre(*args)
 
         def post_backward(*args: Any) -> Any:
@@ -279,23 +288,25 @@ class SideWork(L.Callback):
         self.window, self.micro = {"start": time.perf_counter(), "host_ms": 0.0}, 0
         sums = self.accumulate - 1
         if self.mode == "clip":
-            self._submit(lambda f: (f.adam(), f.h2d()))
+            self._submit("adam", "h2d")
         elif self.mode == "anywhere":
-            self._submit(lambda f: ([f.sum() for _ in range(sums)], f.d2h(), f.adam(), f.h2d()))
+            self._submit(*["sum"] * sums, "d2h", "adam", "h2d")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self.worker is not None:
             self.worker.shutdown()
 
-    def _submit(self, each: Any) -> None:
-        """One pass of ``each`` over every family, queued on the side thread."""
+    def _submit(self, *stages: str) -> None:
+        """One pass over every family, each running ``stages`` (:class:`FamilyStages` methods) in turn, queued on
+        the side thread."""
         assert self.worker is not None and self.families is not None
         families = self.families
 
         def run() -> float:
             start = time.perf_counter()
             for family in families:
-                each(family)
+                for stage in stages:
+                    getattr(family, stage)()
             return time.perf_counter() - start
 
         self.pending.append(self.worker.submit(run))
@@ -366,6 +377,7 @@ def _fit(
         "overlap": overlap,
         "clip": clip,
         **timer.medians(args.warmup, args.accumulate),
+        "every_step_ms": timer.every_step(args.accumulate),
         "host_step_jobs": report.host_step_jobs,
         "host_sums_in_backward": report.host_sums_in_backward,
         "host_steps_in_backward": report.host_steps_in_backward,
@@ -485,7 +497,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--only",
         metavar="OVERLAP[:clip]",
-        help="one run alone (e.g. next_forward or auto:clip): its step and phase times as JSON, no stages or targets",
+        help="one run alone (e.g. next_forward or auto:clip): its step and phase times (and every step's, "
+        "every_step_ms) as JSON, no stages or targets",
     )
     args = parser.parse_args(argv)
     if args.quick:

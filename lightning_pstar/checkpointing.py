@@ -61,11 +61,11 @@ __all__ = [
 # [Note: the checkpoint IO]
 # Both strategies save and load through SafeCheckpointIO (atomic, checksummed) unless the user gives another
 # CheckpointIO, to the strategy or, as with Lightning's own strategies, in ``plugins`` (Lightning refuses one given
-# both ways, so the strategies hold none until asked: their ``checkpoint_io`` property makes the default then). A
-# wrapping IO given without its base (``AsyncCheckpointIO()``) writes through SafeCheckpointIO, where Lightning's
-# own strategies would give it a plain TorchCheckpointIO. ``checkpoint="sharded"`` writes every rank's part with
-# ``torch.distributed.checkpoint`` and reads it back the same way, through no CheckpointIO: a user's IO would be
-# silently bypassed, so that pair is refused at setup (:func:`refuse_io_sharded_bypasses`).
+# both ways, so the strategies hold none until asked: ``EngineAccess.checkpoint_io`` in glue.py makes the
+# default then). A wrapping IO given without its base (``AsyncCheckpointIO()``) writes through SafeCheckpointIO,
+# where Lightning's own strategies would give it a plain TorchCheckpointIO. ``checkpoint="sharded"`` writes every
+# rank's part with ``torch.distributed.checkpoint`` and reads it back the same way, through no CheckpointIO: a
+# user's IO would be silently bypassed, so that pair is refused at setup (:func:`refuse_io_sharded_bypasses`).
 
 
 def refuse_io_sharded_bypasses(io: CheckpointIO, *, sharded: bool) -> None:

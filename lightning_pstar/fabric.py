@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_pstar.checkpoint import full_state_dict, load_full_state_dict
-from lightning_pstar.checkpointing import SafeCheckpointIO, chunked_of, refuse_io_sharded_bypasses
+from lightning_pstar.checkpointing import chunked_of, refuse_io_sharded_bypasses
 from lightning_pstar.config import PStarConfig, PStarOptions
 from lightning_pstar.fabric_checkpoint import load_fabric_checkpoint, save_fabric_checkpoint
 from lightning_pstar.glue import (
@@ -181,18 +181,6 @@ class PatrickStarFabricStrategy(EngineAccess, DDPStrategy, _Sharded):
             if precision is None
             else PatrickStarFabricPrecision.from_plugin(precision, self.config.mixed_precision.loss_scale)
         )
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """SafeCheckpointIO unless another was given ([Note: the checkpoint IO] in checkpointing.py)."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = SafeCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
 
     # ---- processes ------------------------------------------------------------------------------------
     @override

@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_pstar.checkpoint import drop_weights, restore_family
+from lightning_pstar.checkpointing import SafeCheckpointIO
 from lightning_pstar.config import HostMalloc, PStarConfig, check_option_names
 from lightning_pstar.host_malloc import applied as host_malloc_applied
 from lightning_pstar.host_malloc import keep_freed_host_memory
@@ -280,6 +283,22 @@ class EngineAccess:
     _final_report: MemoryReport | None = None
     _final_reports: list[MemoryReport] | None = None  # every rank's report, gathered at the last hand-back
     _NOT_SET_UP = "HINT: call this once the model is set up."
+    _checkpoint_io: CheckpointIO | None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """SafeCheckpointIO unless another was given, also as the base of a wrapping IO given without one
+        ([Note: the checkpoint IO] in checkpointing.py): both strategies hold none until asked."""
+        io = self._checkpoint_io
+        if io is None:
+            io = self._checkpoint_io = SafeCheckpointIO()
+        elif isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is None:
+            io.checkpoint_io = SafeCheckpointIO()
+        return io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     @property
     def chunk_manager(self) -> ChunkManager:

@@ -20,7 +20,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -155,22 +154,6 @@ class PatrickStarStrategy(EngineAccess, DDPStrategy):
         self._precision_plugin = (
             None if plugin is None else PatrickStarPrecision.from_plugin(plugin, self.config.mixed_precision.loss_scale)
         )
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """SafeCheckpointIO unless another was given, also as the base of a wrapping IO given without one
-        ([Note: the checkpoint IO] in checkpointing.py)."""
-        io = self._checkpoint_io
-        if io is None:
-            io = self._checkpoint_io = SafeCheckpointIO()
-        elif isinstance(io, _WrappingCheckpointIO):
-            io.checkpoint_io = SafeCheckpointIO()  # its setter keeps a base given to it
-        return io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
 
     # ---- distributed ----------------------------------------------------------------------------------
     @override

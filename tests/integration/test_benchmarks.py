@@ -293,3 +293,5 @@ def test_offload_only_runs_one_schedule_alone(tmp_path: Path) -> None:
     run = json.loads(proc.stdout.strip().splitlines()[-1])
     assert run["overlap"] == "next_forward" and run["clip"] is True
     assert run["step_ms"] > 0 and run["forward_ms"] > 0 and run["backward_ms"] > 0
+    # every optimizer step of the run (--quick: 45), the warm-up's included
+    assert len(run["every_step_ms"]) == 45 and all(ms > 0 for ms in run["every_step_ms"])
